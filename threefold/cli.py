@@ -1,0 +1,137 @@
+"""`threefold` command line: generate, chat, pull, models, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import uuid
+
+from threefold.errors import ThreefoldError
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine knobs shared by generate, chat and serve."""
+    parser.add_argument("--model", default="smollm2-135m", help="registry name, GGUF file or HF directory")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="e.g. 2GiB, 512MiB or bytes")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def engine_args_from(ns: argparse.Namespace):
+    from threefold.engine.llm_engine import EngineArgs
+    return EngineArgs(model=ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len,
+                      kv_cache_memory=ns.kv_cache_memory, block_size=ns.block_size, max_num_seqs=ns.max_num_seqs,
+                      max_num_batched_tokens=ns.max_num_batched_tokens,
+                      enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    lowered = text.strip().lower()
+    number = lowered.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = lowered[len(number):]
+    if unit not in _UNITS or not number:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size; write e.g. 2GiB, 512MiB or 1000000")
+    return int(float(number) * _UNITS[unit])
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+
+
+def _params(ns: argparse.Namespace):
+    from threefold.sample.params import SamplingParams
+    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                          top_k=ns.top_k, seed=ns.sample_seed)
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from threefold.engine.llm import LLM
+    llm = LLM.from_engine_args(engine_args_from(ns))
+    prompts = ns.prompt or ["The three most useful things to know about paged attention are"]
+    if ns.chat_template:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], _params(ns))
+    else:
+        outputs = llm.generate(prompts, _params(ns))
+    for prompt, output in zip(prompts, outputs):
+        completion = output.outputs[0]
+        print(f"### prompt: {prompt}\n{completion.text}\n[{len(completion.token_ids)} tokens, "
+              f"finish_reason={completion.finish_reason}]")
+    return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from threefold.engine.chat import run_chat
+    return run_chat(engine_args_from(ns), _params(ns), session_id=uuid.uuid4().hex)
+
+
+def cmd_pull(ns: argparse.Namespace) -> int:
+    from threefold.model.registry import pull
+    for name in ns.names:
+        print(pull(name))
+    return 0
+
+
+def cmd_models(ns: argparse.Namespace) -> int:
+    from threefold.model.registry import list_models
+    print(f"{'name':<22} {'size':>10}  pulled  path")
+    for info in list_models():
+        size = f"{info.size_bytes / 2**20:.0f} MiB" if info.size_bytes else "?"
+        print(f"{info.name:<22} {size:>10}  {'yes' if info.pulled else 'no':<6}  {info.path or ''}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="threefold", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for prompts")
+    add_engine_args(gen)
+    _sampling_args(gen)
+    gen.add_argument("--prompt", action="append", help="may repeat; default: a demo prompt")
+    gen.add_argument("--chat-template", action="store_true", help="wrap each prompt in the chat template")
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat; tokens stream as they come")
+    add_engine_args(chat)
+    _sampling_args(chat)
+    chat.set_defaults(func=cmd_chat, max_tokens=512)
+    pull_parser = sub.add_parser("pull", help="install and assemble a named model")
+    pull_parser.add_argument("names", nargs="+")
+    pull_parser.set_defaults(func=cmd_pull)
+    sub.add_parser("models", help="list named models").set_defaults(func=cmd_models)
+    _add_optional(sub, "threefold.server.cli")
+    _add_optional(sub, "threefold.bench.cli")
+    return parser
+
+
+def _add_optional(sub, module: str) -> None:
+    import importlib
+    try:
+        importlib.import_module(module).add_parser(sub)
+    except ImportError as exc:  # a part not installed must not break the others
+        print(f"warning: {module} unavailable: {exc}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except ThreefoldError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""One frozen config per concern (plain Python: core/ imports this, and never torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from threefold.errors import ThreefoldError
+
+_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def _require(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise ThreefoldError(message, param=param)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model: str = "smollm2-135m"
+    """Registry name, GGUF file path or Hugging Face checkpoint directory."""
+    dtype: str = "auto"
+    """Weight/compute dtype: auto (checkpoint's; bf16 for quantized GGUF), float32, bfloat16."""
+    max_model_len: int | None = None
+    """Cap on prompt + output tokens; None = the model's own context length."""
+    seed: int = 0
+    """Seed of the default generator (requests without their own seed)."""
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}.", "dtype")
+        _require(self.max_model_len is None or self.max_model_len >= 2,
+                 f"max_model_len must be at least 2, got {self.max_model_len}.", "max_model_len")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory: int | None = None
+    """Bytes for the KV pool; None = a safe fraction of available RAM (capped)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV of identical prompt prefixes across requests."""
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+                 f"block_size must be a power of two up to 128, got {self.block_size}.", "block_size")
+        _require(self.kv_cache_memory is None or self.kv_cache_memory > 0,
+                 f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}.", "kv_cache_memory")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one step: prefill chunks and decodes share it."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}.",
+                 "max_num_seqs")
+        _require(self.max_num_batched_tokens >= 1,
+                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.",
+                 "max_num_batched_tokens")

@@ -1,0 +1,89 @@
+"""The contracts between scheduler, model runner and engine (plain Python, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from threefold.sample.params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen: everything it needs to cache its state."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: what changed since last step."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    resumed_from_preemption: bool = False
+    """If True, `new_block_ids` replaces the request's whole block table."""
+
+
+@dataclass
+class SchedulerOutput:
+    """The only thing the scheduler tells the runner each step."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    """Request id -> tokens to compute this step (drafts included)."""
+    total_num_scheduled_tokens: int
+    scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)
+    """Requests finished or aborted since last step: the runner drops their state."""
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class TokenLogprobs(NamedTuple):
+    """Logprobs at one position: the chosen token first, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+    """Rank of the chosen token (1 = most likely)."""
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one forward produced, in plain Python lists."""
+
+    sampled_token_ids: dict[str, list[int]]
+    """Request id -> tokens accepted this step (1, or more with speculation)."""
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    """Request id -> logprobs of every prompt token (first None), once the prompt is done."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Request id -> error message for requests whose processing raised."""
+
+
+@dataclass
+class EngineCoreOutput:
+    """Per-request news from one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,229 @@
+"""Scheduler: one token budget per step, shared by prefill chunks and decodes.
+
+Every request moves `num_computed_tokens` toward `num_tokens` (plus its
+speculative drafts). Running requests go first, in priority order; when the
+pool runs dry the lowest-priority running request (the tail, never one
+already scheduled this step) is preempted by recompute. Waiting requests are
+admitted, prefix-cache hits first skipped, only if nobody was preempted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+from threefold.config import SchedulerConfig
+from threefold.core.kv_cache_manager import KVCacheManager
+from threefold.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                                    NewRequestData, SchedulerOutput)
+from threefold.core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class _StepPlan:
+    """What one schedule() call has decided so far."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.new: list[NewRequestData] = []
+        self.cached: list[CachedRequestData] = []
+        self.num_tokens: dict[str, int] = {}
+        self.spec: dict[str, list[int]] = {}
+        self.preempted: set[str] = set()
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 num_lookahead_tokens: int = 0) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.running: list[Request] = []  # sorted by Request.sort_key
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- queue bookkeeping -------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=Request.sort_key)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Finish (e.g. abort) requests wherever they are; unknown ids are ignored."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            queue = self.running if request.status == RequestStatus.RUNNING else self.waiting
+            queue.remove(request)
+            request.status = status
+            self._free(request)
+            finished.append(request)
+        return finished
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        plan.preempted.add(request.request_id)
+        bisect.insort(self.waiting, request, key=Request.sort_key)
+
+    # ---- scheduling --------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        self._preempt_for_priority(plan)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=plan.new, scheduled_cached_reqs=plan.cached,
+            num_scheduled_tokens=plan.num_tokens,
+            total_num_scheduled_tokens=sum(plan.num_tokens.values()),
+            scheduled_spec_token_ids=plan.spec, finished_req_ids=finished,
+            preempted_req_ids=plan.preempted)
+
+    def _preempt_for_priority(self, plan: _StepPlan) -> None:
+        """A waiting request that outranks the running tail takes its place when room is short."""
+        while self.waiting and self.running:
+            head, tail = self.waiting[0], self.running[-1]
+            if head.sort_key() >= tail.sort_key():
+                return
+            need = -(-min(head.num_tokens, plan.budget) // self.kv.block_size)
+            if len(self.running) < self.config.max_num_seqs and self.kv.pool.num_free_blocks >= need:
+                return
+            self._preempt(self.running.pop(), plan)
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        wanted = request.num_tokens_with_spec - request.num_computed_tokens
+        return min(wanted, budget, self.max_model_len - request.num_computed_tokens)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        index = 0
+        while index < len(self.running) and plan.budget > 0:
+            request = self.running[index]
+            num_new = self._num_new_tokens(request, plan.budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new, plan)
+            if new_blocks is None:
+                return  # the request preempted itself: it was the tail
+            plan.cached.append(CachedRequestData(
+                request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens))
+            self._commit(request, num_new, plan)
+            index += 1
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan):
+        while True:
+            new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.num_lookahead_tokens)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+
+    def _commit(self, request: Request, num_new: int, plan: _StepPlan) -> None:
+        plan.num_tokens[request.request_id] = num_new
+        plan.budget -= num_new
+        num_spec = num_new - (request.num_tokens - request.num_computed_tokens)
+        if num_spec > 0:
+            plan.spec[request.request_id] = request.spec_token_ids[:num_spec]
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, plan.budget)
+            new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks,
+                                                num_lookahead_tokens=self.num_lookahead_tokens)
+            if new_blocks is None:
+                return
+            self.waiting.pop(0)
+            self.kv.record_lookup(request.num_tokens, num_hit)
+            resumed = request.status == RequestStatus.PREEMPTED
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
+                request.num_cached_tokens = num_hit
+            block_ids = self.kv.block_ids(request.request_id)
+            if resumed and request.request_id not in plan.preempted:
+                plan.cached.append(CachedRequestData(request.request_id, block_ids, num_hit, True))
+            else:
+                plan.new.append(NewRequestData(request.request_id, request.all_token_ids,
+                                               request.sampling_params, block_ids, num_hit))
+            bisect.insort(self.running, request, key=Request.sort_key)
+            self._commit(request, num_new, plan)
+
+    # ---- results -----------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs = []
+        for request_id, num_scheduled in sched.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            num_spec = len(sched.scheduled_spec_token_ids.get(request_id, ()))
+            outputs.append(self._update_request(request, num_scheduled, num_spec, out))
+        return [o for o in outputs if o is not None]
+
+    def _update_request(self, request: Request, num_scheduled: int, num_spec: int,
+                        out: ModelRunnerOutput) -> EngineCoreOutput | None:
+        rid = request.request_id
+        if rid in out.failed:
+            self.running.remove(request)
+            request.status = RequestStatus.FINISHED_ERROR
+            self._free(request)
+            return EngineCoreOutput(rid, [], finish_reason="error", error=out.failed[rid])
+        sampled = out.sampled_token_ids.get(rid, [])
+        # Drafts past the first rejection were computed but are not part of the sequence.
+        num_rejected = num_spec + 1 - len(sampled) if sampled and num_spec else 0
+        request.num_computed_tokens += num_scheduled - num_rejected
+        request.spec_token_ids = []
+        new_ids = []
+        for token_id in sampled:
+            request.append_output_token(token_id)
+            new_ids.append(token_id)
+            if request.check_stop(self.max_model_len):
+                break
+        prompt_logprobs = out.prompt_logprobs.get(rid)
+        if not new_ids and prompt_logprobs is None:
+            return None
+        result = EngineCoreOutput(rid, new_ids, out.logprobs.get(rid, [])[: len(new_ids)] or None,
+                                  prompt_logprobs, num_cached_tokens=request.num_cached_tokens)
+        if request.is_finished:
+            result.finish_reason, result.stop_reason = request.status.finish_reason, request.stop_reason
+            self.running.remove(request)
+            self._free(request)
+        return result
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(),
+                              self.kv.stats.queries, self.kv.stats.hits, self.num_preemptions)

@@ -1,0 +1,74 @@
+"""EngineCore: the step loop (schedule -> execute -> update), nothing about text."""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+
+from threefold.config import CacheConfig, SchedulerConfig
+from threefold.core.kv_cache_manager import KVCacheManager
+from threefold.core.outputs import EngineCoreOutput, ModelRunnerOutput
+from threefold.core.request import Request, RequestStatus
+from threefold.core.scheduler import Scheduler, SchedulerStats
+from threefold.errors import ThreefoldError
+from threefold.model.loader import LoadedModel
+from threefold.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_KV_FRACTION = 0.2
+_DEFAULT_KV_CAP = 4 << 30
+
+
+def default_kv_cache_memory() -> int:
+    """A safe share of the RAM that is free now, capped: the weights and activations need the rest."""
+    return int(min(psutil.virtual_memory().available * _DEFAULT_KV_FRACTION, _DEFAULT_KV_CAP))
+
+
+class EngineCore:
+    def __init__(self, loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig,
+                 max_model_len: int, device: str = "cpu") -> None:
+        self.runner = ModelRunner(loaded, cache.block_size, device=device)
+        budget = cache.kv_cache_memory or default_kv_cache_memory()
+        num_blocks = budget // self.runner.bytes_per_block() + 1  # +1: the null block
+        min_blocks = -(-max_model_len // cache.block_size) + 1
+        if num_blocks < min_blocks:
+            raise ThreefoldError(
+                f"kv_cache_memory={budget} bytes holds {num_blocks - 1} blocks, fewer than the "
+                f"{min_blocks - 1} one {max_model_len}-token request needs; raise kv_cache_memory "
+                f"or lower max_model_len.", param="kv_cache_memory")
+        self.runner.initialize_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, loaded.fingerprint, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(sched, self.kv, max_model_len)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB)", num_blocks - 1,
+                    cache.block_size, self.kv.capacity_tokens, budget / 2**20)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_stopped(self, request_ids: list[str]) -> None:
+        """Finish requests the engine stopped on text (stop strings)."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            self.runner.execute(sched)  # still drops finished requests' state
+            return []
+        try:
+            out = self.runner.execute(sched)
+        except Exception as exc:  # a broken batch fails its requests, not the engine
+            logger.exception("model step failed")
+            out = ModelRunnerOutput({}, failed={rid: f"{type(exc).__name__}: {exc}"
+                                                for rid in sched.num_scheduled_tokens})
+        return self.scheduler.update_from_output(sched, out)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()

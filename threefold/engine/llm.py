@@ -1,0 +1,104 @@
+"""LLM: the offline Python API, shaped like vLLM's so users can switch."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from threefold.engine.llm_engine import EngineArgs, LLMEngine
+from threefold.engine.outputs import RequestOutput
+from threefold.sample.params import SamplingParams
+
+PromptType = str | dict
+
+
+class LLM:
+    """Generate for many prompts at once with continuous batching.
+
+    >>> llm = LLM("smollm2-135m")
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str = "smollm2-135m", dtype: str = "auto", max_model_len: int | None = None,
+                 kv_cache_memory: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 enable_prefix_caching: bool = True, seed: int = 0, block_size: int = 16,
+                 device: str = "cpu") -> None:
+        args = EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+                          block_size=block_size, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          enable_prefix_caching=enable_prefix_caching, seed=seed, device=device)
+        self.engine = LLMEngine.from_args(args)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine.from_args(args)
+        llm._ids = itertools.count()
+        return llm
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults applied."""
+        known = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
+        return SamplingParams(**{k: v for k, v in self.engine.generation_defaults.items() if k in known})
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`; strings or {"prompt_token_ids": [...]}."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = sampling_params or self.get_default_sampling_params()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        request_ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, _prompt_input(prompt), p, priority[i] if priority else 0)
+                request_ids.append(request_id)
+        except Exception:
+            self.engine.abort_request(request_ids)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False, **template_kwargs) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+        prompts = [{"prompt_token_ids": tokenizer.encode(
+            tokenizer.apply_chat_template(conv, add_generation_prompt=True, **template_kwargs),
+            add_special_tokens=False)} for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        pending = set(request_ids)
+        bar = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm)
+        while pending:
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"engine lost requests {sorted(pending)}")
+            for output in self.engine.step():
+                if output.finished and output.request_id in pending:
+                    finished[output.request_id] = output
+                    pending.discard(output.request_id)
+                    bar.update(1)
+        bar.close()
+        return [finished[rid] for rid in request_ids]
+
+
+def _prompt_input(prompt: PromptType) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+    return prompt

@@ -1,0 +1,181 @@
+"""LLMEngine: text in, RequestOutputs out; the object the server and LLM drive.
+
+Not thread-safe: one thread calls add_request / step / abort_request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from threefold.config import CacheConfig, ModelConfig, SchedulerConfig
+from threefold.core.outputs import EngineCoreOutput
+from threefold.core.request import Request
+from threefold.core.scheduler import SchedulerStats
+from threefold.engine.engine_core import EngineCore
+from threefold.engine.output_processor import OutputProcessor, RequestState
+from threefold.engine.outputs import RequestOutput
+from threefold.errors import ContextLengthError, ThreefoldError
+from threefold.model.loader import LoadedModel, load_model
+from threefold.sample.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+EngineStats = SchedulerStats
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything needed to build an engine; each field is documented on its config."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    kv_cache_memory: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    device: str = "cpu"
+
+    def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
+        return (ModelConfig(self.model, self.dtype, self.max_model_len, self.seed),
+                CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching),
+                SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens))
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, args: EngineArgs) -> None:
+        model_config, cache_config, sched_config = args.configs()
+        self.args = args
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        self.max_model_len = loaded.max_model_len
+        self.generation_defaults = dict(loaded.generation_defaults)
+        self.eos_token_ids = list(loaded.eos_token_ids)
+        self.vocab_size = loaded.config.vocab_size
+        torch.manual_seed(model_config.seed)
+        self.core = EngineCore(loaded, cache_config, sched_config, self.max_model_len, args.device)
+        self.processor = OutputProcessor(self.tokenizer)
+        self.requests: dict[str, RequestState] = {}
+        self.child_to_parent: dict[str, tuple[RequestState, int]] = {}
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> LLMEngine:
+        args.configs()  # validate before the (slow) model load
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+        return cls(loaded, args)
+
+    # ---- input -------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ThreefoldError("The prompt is empty; give at least one token.", param="prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ThreefoldError("The prompt is empty; give at least one token.", param="prompt")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ThreefoldError(f"Token id {bad[0]} is out of vocabulary (size {self.vocab_size}).",
+                                 param="prompt")
+        return None, token_ids
+
+    def resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
+        limit = self.max_model_len
+        if params.max_tokens is None:
+            if num_prompt >= limit:
+                raise ContextLengthError(
+                    f"This model's maximum context length is {limit} tokens. However, your request has "
+                    f"{num_prompt} input tokens. Please reduce the length of the input messages.",
+                    param="messages")
+            return limit - num_prompt
+        if num_prompt + params.max_tokens > limit:
+            raise ContextLengthError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the messages, {params.max_tokens} "
+                f"in the completion). Please reduce the length of the messages or completion.",
+                param="max_tokens")
+        return params.max_tokens
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        if request_id in self.requests:
+            raise ThreefoldError(f"request id {request_id!r} is already in use", param="request_id")
+        text, token_ids = self.tokenize_prompt(prompt)
+        max_tokens = self.resolve_max_tokens(len(token_ids), params)
+        arrival = arrival_time if arrival_time is not None else time.time()
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        state = self.processor.new_state(request_id, text, token_ids, params, child_ids, arrival)
+        eos = frozenset(self.eos_token_ids)
+        for index, child_id in enumerate(child_ids):
+            child_params = params if params.n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + index)
+            self.core.add_request(Request(child_id, token_ids, child_params, eos, max_tokens, priority, arrival))
+            self.child_to_parent[child_id] = (state, index)
+        self.requests[request_id] = state
+
+    # ---- stepping ----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        changed: dict[str, RequestState] = {}
+        stopped: list[str] = []
+        for out in self.core.step():
+            state = self._apply(out, stopped)
+            if state is not None:
+                changed[state.request_id] = state
+        if stopped:
+            self.core.finish_stopped(stopped)
+        results = []
+        for state in changed.values():
+            results.append(state.to_output())
+            if state.finished:
+                self._forget(state)
+        return results
+
+    def _apply(self, out: EngineCoreOutput, stopped: list[str]) -> RequestState | None:
+        entry = self.child_to_parent.get(out.request_id)
+        if entry is None:
+            return None
+        state, index = entry
+        completion = state.completions[index]
+        if state.metrics.first_scheduled_time is None:
+            state.metrics.first_scheduled_time = time.time()
+        try:
+            if self.processor.apply(state, completion, out):
+                stopped.append(completion.child_id)
+        except Exception as exc:  # one request's failure must not take the others down
+            logger.exception("processing request %s failed", state.request_id)
+            state.error = f"{type(exc).__name__}: {exc}"
+            self._fail(state)
+        return state
+
+    def _fail(self, state: RequestState) -> None:
+        running = [c.child_id for c in state.completions if c.finish_reason is None]
+        self.core.abort_requests(running)
+        for completion in state.completions:
+            completion.finish_reason = completion.finish_reason or "error"
+
+    def _forget(self, state: RequestState) -> None:
+        self.requests.pop(state.request_id, None)
+        for completion in state.completions:
+            self.child_to_parent.pop(completion.child_id, None)
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        for request_id in list(request_ids):
+            state = self.requests.get(request_id)
+            if state is None:
+                continue
+            self.core.abort_requests([c.child_id for c in state.completions])
+            self._forget(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_stats(self) -> EngineStats:
+        return self.core.stats()

@@ -1,0 +1,102 @@
+"""Per-request text state: detokenize, apply stop strings, build RequestOutputs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from threefold.core.outputs import EngineCoreOutput, TokenLogprobs
+from threefold.engine.detokenizer import IncrementalDetokenizer
+from threefold.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from threefold.sample.params import SamplingParams
+
+
+@dataclass
+class CompletionState:
+    index: int
+    child_id: str
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestState:
+    """One user request (its `n` completions are child requests in the core)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    completions: list[CompletionState]
+    metrics: RequestMetrics
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+    def to_output(self) -> RequestOutput:
+        finished = self.finished
+        outputs = [CompletionOutput(c.index, c.detokenizer.output_text(c.finish_reason is not None),
+                                    list(c.token_ids), c.cumulative_logprob,
+                                    list(c.logprobs) if c.logprobs is not None else None,
+                                    c.finish_reason, c.stop_reason) for c in self.completions]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs,
+                             outputs, finished, self.num_cached_tokens, self.metrics, self.error)
+
+
+class OutputProcessor:
+    """Applies core outputs to request states. Returns which children stopped on text."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.backend = tokenizer.backend
+
+    def new_state(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                  params: SamplingParams, child_ids: list[str], arrival_time: float) -> RequestState:
+        completions = [CompletionState(i, child_id, IncrementalDetokenizer(self.backend, prompt_token_ids, params),
+                                       logprobs=[] if params.logprobs is not None else None,
+                                       cumulative_logprob=0.0 if params.logprobs is not None else None)
+                       for i, child_id in enumerate(child_ids)]
+        return RequestState(request_id, prompt, prompt_token_ids, params, completions,
+                            RequestMetrics(arrival_time))
+
+    def apply(self, state: RequestState, completion: CompletionState, out: EngineCoreOutput) -> bool:
+        """Update one completion; True if a stop string finished it (the core must be told)."""
+        now = time.time()
+        metrics = state.metrics
+        if out.error is not None:
+            state.error = out.error
+        if out.prompt_logprobs is not None:
+            state.prompt_logprobs = [None if p is None else self._position(p) for p in out.prompt_logprobs]
+        if completion.index == 0:
+            state.num_cached_tokens = out.num_cached_tokens
+        if out.new_token_ids:
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+        completion.token_ids.extend(out.new_token_ids)
+        for entry in out.new_logprobs or []:
+            completion.logprobs.append(self._position(entry))
+            completion.cumulative_logprob += entry.logprobs[0]
+        stop = completion.detokenizer.update(out.new_token_ids)
+        stopped_on_text = stop is not None and out.finish_reason is None
+        if stop is not None:
+            completion.finish_reason, completion.stop_reason = "stop", stop
+        elif out.finish_reason is not None:
+            completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
+        if state.finished:
+            metrics.finished_time = now
+        return stopped_on_text
+
+    def _position(self, entry: TokenLogprobs) -> PositionLogprobs:
+        texts = self.backend.decode_batch([[t] for t in entry.token_ids], skip_special_tokens=False)
+        result = {entry.token_ids[0]: Logprob(entry.logprobs[0], entry.rank, texts[0])}
+        for rank, (token_id, logprob, text) in enumerate(zip(entry.token_ids[1:], entry.logprobs[1:], texts[1:]), 1):
+            result.setdefault(token_id, Logprob(logprob, rank, text))
+        return result

@@ -1,0 +1,150 @@
+"""`load_model`: a registry name, GGUF file or HF directory -> a ready `LoadedModel`."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from threefold.errors import ModelNotFoundError, ThreefoldError
+from threefold.model import gguf_loader, hf_loader
+from threefold.model.config import ModelArchConfig
+from threefold.model.llama import CausalLM
+from threefold.model.tokenizer import Tokenizer
+from threefold.model.weights import TensorSource, fused_state_dict
+
+SUPPORTED_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FINGERPRINT_HEAD_BYTES = 1 << 20
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    """eval mode, no grads, in `config.dtype`, on the requested device."""
+    config: ModelArchConfig
+    tokenizer: Tokenizer
+    generation_defaults: dict
+    """Sampling defaults from generation_config.json, only the keys present; {} for GGUF."""
+    eos_token_ids: list[int]
+    """Every id that ends generation (config, generation_config and tokenizer eos)."""
+    fingerprint: str
+    """sha256 over weight file names, sizes, first MiB, and the dtype: stable across processes."""
+    name: str
+    """Registry name, or the file/directory name."""
+    max_model_len: int
+    """min(config.max_position_embeddings, the user's max_model_len)."""
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: torch.dtype, device: str) -> torch.dtype:
+    """"auto" takes the checkpoint's dtype, except fp16 on CPU becomes bf16 (fp16 matmul
+    there runs ~1000x slower)."""
+    if requested not in SUPPORTED_DTYPES:
+        raise ThreefoldError(
+            f"unsupported dtype {requested!r}; supported: {', '.join(SUPPORTED_DTYPES)}", param="dtype"
+        )
+    on_cpu = torch.device(device).type == "cpu"
+    if requested == "float16" and on_cpu:
+        raise ThreefoldError(
+            "dtype float16 is not supported on CPU (fp16 matmul is ~1000x slower there); use bfloat16 or float32",
+            param="dtype",
+        )
+    dtype = SUPPORTED_DTYPES[requested] or checkpoint_dtype
+    if dtype == torch.float16 and on_cpu:
+        return torch.bfloat16
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ThreefoldError(f"checkpoint dtype {dtype} is not supported; pass dtype='bfloat16'", param="dtype")
+    return dtype
+
+
+def fingerprint(files: list[Path], dtype: torch.dtype, extra: bytes = b"") -> str:
+    digest = hashlib.sha256(str(dtype).encode() + extra)
+    for path in sorted(files):
+        digest.update(f"{path.name}:{path.stat().st_size}".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(FINGERPRINT_HEAD_BYTES))
+    return digest.hexdigest()
+
+
+def build_model(config: ModelArchConfig, source: TensorSource, max_len: int, device: str) -> CausalLM:
+    """Construct on the meta device (no random init) and assign the checkpoint tensors."""
+    state = fused_state_dict(source, config)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - allowed_missing or unexpected:
+        raise ThreefoldError(f"weights do not match the model: missing {missing}, unexpected {unexpected}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.requires_grad_(False)
+    model.eval().to(device)
+    model.init_rope(max_len)
+    return model
+
+
+def _max_len(config: ModelArchConfig, max_model_len: int | None) -> int:
+    if max_model_len is not None and max_model_len <= 0:
+        raise ThreefoldError(f"max_model_len must be positive, got {max_model_len}", param="max_model_len")
+    return min(config.max_position_embeddings, max_model_len or config.max_position_embeddings)
+
+
+def _dedup(ids: list[int | None]) -> list[int]:
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+def load_gguf(path: Path, name: str, dtype: str, device: str, max_model_len: int | None) -> LoadedModel:
+    reader = gguf_loader.open_gguf(path)
+    checkpoint_dtype = torch.float32 if gguf_loader.gguf_is_full_precision(reader) else torch.bfloat16
+    config = gguf_loader.gguf_arch_config(reader, resolve_dtype(dtype, checkpoint_dtype, device))
+    max_len = _max_len(config, max_model_len)
+    model = build_model(config, gguf_loader.GGUFTensorSource(reader, config), max_len, device)
+    tokenizer = Tokenizer.from_gguf(path, gguf_loader.gguf_chat_template(reader))
+    return LoadedModel(
+        model=model,
+        config=config,
+        tokenizer=tokenizer,
+        generation_defaults={},
+        eos_token_ids=_dedup([*gguf_loader.gguf_eos_token_ids(reader), tokenizer.eos_token_id]),
+        fingerprint=fingerprint([path], config.dtype),
+        name=name,
+        max_model_len=max_len,
+    )
+
+
+def load_hf_dir(path: Path, name: str, dtype: str, device: str, max_model_len: int | None) -> LoadedModel:
+    raw = hf_loader.read_config(path)
+    config = hf_loader.hf_arch_config(raw, resolve_dtype(dtype, hf_loader.checkpoint_dtype(raw), device))
+    max_len = _max_len(config, max_model_len)
+    with hf_loader.SafetensorsSource(path) as source:
+        model = build_model(config, source, max_len, device)
+        files = source.files
+    tokenizer = Tokenizer.from_dir(path)
+    generation = hf_loader.read_generation_config(path)
+    eos = [*hf_loader.as_list(raw.get("eos_token_id")), *hf_loader.as_list(generation.get("eos_token_id"))]
+    return LoadedModel(
+        model=model,
+        config=config,
+        tokenizer=tokenizer,
+        generation_defaults=hf_loader.sampling_defaults(generation),
+        eos_token_ids=_dedup([*eos, tokenizer.eos_token_id]),
+        fingerprint=fingerprint(files, config.dtype, extra=(path / "config.json").read_bytes()),
+        name=name,
+        max_model_len=max_len,
+    )
+
+
+def load_model(
+    model: str, dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None
+) -> LoadedModel:
+    """Load a registry name (pulled on first use), a .gguf file, or an HF checkpoint directory."""
+    from threefold.model.registry import REGISTRY, resolve
+
+    path = resolve(model)
+    name = model if model in REGISTRY else path.name
+    if path.is_dir():
+        return load_hf_dir(path, name, dtype, device, max_model_len)
+    if path.suffix == ".gguf" or path.is_file():
+        return load_gguf(path, name, dtype, device, max_model_len)
+    raise ModelNotFoundError(f"no model at {path}")

@@ -1,0 +1,135 @@
+"""Prometheus metrics under vLLM's names, so vLLM dashboards and benchmarks read them as-is.
+
+One CollectorRegistry per server (tests run several servers in one process).
+Counters are exposed with prometheus' `_total` suffix, as vLLM's are:
+`vllm:prompt_tokens_total`, `vllm:request_success_total{finished_reason=...}`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from threefold.engine.async_engine import StatLogger
+from threefold.engine.outputs import RequestOutput
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms compare bucket for bucket.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass
+class _Tracked:
+    """What the metrics remember about one live request (engine thread only)."""
+
+    arrival_time: float
+    num_tokens: int = 0
+    last_token_time: float | None = None
+
+
+class ServerMetrics(StatLogger):
+    """Engine gauges and counters, plus per-request latency histograms, fed from the engine thread."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, ["model_name"], registry=self.registry).labels(**labels)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, ["model_name"], registry=self.registry).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(**labels)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self._model_name = model_name
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self._tracked: dict[str, _Tracked] = {}
+        self._last_cumulative = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ---- StatLogger (engine thread) --------------------------------------
+
+    def on_added(self, request_id: str, arrival_time: float) -> None:
+        self._tracked[request_id] = _Tracked(arrival_time)
+
+    def on_step(self, stats: Any, outputs: Sequence[RequestOutput], now: float) -> None:
+        self._record_engine_stats(stats)
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is not None:
+                self._record_output(tracked, output, now)
+
+    def on_aborted(self, request_ids: Sequence[str], now: float) -> None:
+        for request_id in request_ids:
+            tracked = self._tracked.pop(request_id, None)
+            if tracked is not None:
+                self._finish(tracked, "abort", now, None)
+
+    # ---- helpers -----------------------------------------------------------
+
+    def _record_engine_stats(self, stats: Any) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        # The engine reports cumulative totals; prometheus counters want increments.
+        for name, metric in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
+                             ("num_preemptions", self.preemptions)):
+            total = getattr(stats, name)
+            if total > self._last_cumulative[name]:
+                metric.inc(total - self._last_cumulative[name])
+            self._last_cumulative[name] = total
+
+    def _record_output(self, tracked: _Tracked, output: RequestOutput, now: float) -> None:
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        new_tokens = num_tokens - tracked.num_tokens
+        if new_tokens > 0:
+            if tracked.last_token_time is None:
+                self.prompt_tokens.inc(len(output.prompt_token_ids))
+                first = output.metrics.first_token_time if output.metrics else None
+                self.ttft.observe(max(0.0, (first or now) - tracked.arrival_time))
+            else:
+                self.itl.observe(max(0.0, now - tracked.last_token_time))
+            self.generation_tokens.inc(new_tokens)
+            tracked.num_tokens, tracked.last_token_time = num_tokens, now
+        if output.finished:
+            del self._tracked[output.request_id]
+            reason = "error" if output.error else (output.outputs[0].finish_reason or "stop")
+            self._finish(tracked, reason, now, output)
+
+    def _finish(self, tracked: _Tracked, reason: str, now: float, output: RequestOutput | None) -> None:
+        self._success.labels(model_name=self._model_name, finished_reason=reason).inc()
+        self.e2e.observe(max(0.0, now - tracked.arrival_time))
+        metrics = output.metrics if output is not None else None
+        if metrics is not None and metrics.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, metrics.first_scheduled_time - tracked.arrival_time))
+        elif tracked.last_token_time is None:
+            self.queue_time.observe(max(0.0, now - tracked.arrival_time))  # never left the queue

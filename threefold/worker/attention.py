@@ -1,0 +1,97 @@
+"""Paged attention in plain PyTorch: the reference backend (CPU and any torch device).
+
+The step's flattened tokens are ordered decodes first, then prefill chunks:
+
+    tokens  [d0 d1 d2 | p0 p0 p0 p0 | p1 p1 p1]
+             one each   request A     request B (a chunk resuming at pos 40)
+
+Every layer first writes the step's K/V into the cache, then attends, so a
+request may read blocks another request fills in this very step (prefix
+hits published at allocation rely on this). Decodes are one batched pair
+of matmuls over their gathered blocks; each prefill chunk is one SDPA call
+with a causal mask offset by its already-computed context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from threefold.kv.paged import PagedKVCache
+
+
+@dataclass
+class PrefillChunk:
+    query_start: int
+    query_len: int
+    context_len: int
+    """Tokens before this chunk that are already in the cache."""
+    block_table: torch.Tensor
+    """[1, num_blocks] blocks covering context + chunk."""
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+    """[num_tokens] cache slot of every token of the step."""
+    num_decodes: int
+    decode_block_table: torch.Tensor | None
+    """[num_decodes, max_blocks] padded with the null block."""
+    decode_mask: torch.Tensor | None
+    """[num_decodes, 1, 1, max_blocks * block_size] additive: 0 where a key exists, -inf after."""
+    prefills: list[PrefillChunk]
+
+
+class PagedAttention:
+    """The AttentionFn the model calls, bound to one step's metadata."""
+
+    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> None:
+        self.cache = cache
+        self.meta = meta
+        self.scale = scale
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]
+        meta = self.meta
+        self.cache.write(layer_idx, meta.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            out[: meta.num_decodes] = self._decode(layer_idx, q[: meta.num_decodes])
+        for chunk in meta.prefills:
+            span = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            out[span] = self._prefill(layer_idx, chunk, q[span], k[span], v[span])
+        return out
+
+    def _decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        keys, values = self.cache.read(layer_idx, self.meta.decode_block_table)  # [B, kvh, L, d]
+        num_seqs, num_kv_heads, _, head_dim = keys.shape
+        group = q.shape[1] // num_kv_heads
+        # GQA without repeating K/V: the `group` query heads sharing a KV head form the rows.
+        q = q.view(num_seqs, num_kv_heads, group, head_dim)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale  # [B, kvh, group, L]
+        probs = torch.softmax(scores + self.meta.decode_mask, dim=-1).to(values.dtype)
+        return torch.matmul(probs, values).reshape(num_seqs, -1, head_dim)
+
+    def _prefill(self, layer_idx: int, chunk: PrefillChunk, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
+        q = q.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, d]
+        if chunk.context_len == 0:
+            # Nothing cached before the chunk: attend over its fresh K/V, plain causal.
+            keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            mask, causal = None, True
+        else:
+            keys, values = self.cache.read(layer_idx, chunk.block_table)
+            total = chunk.context_len + chunk.query_len
+            keys, values = keys[:, :, :total], values[:, :, :total]
+            mask, causal = _offset_causal_mask(chunk.query_len, total, q.device), False
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
+                                             scale=self.scale, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+
+
+def _offset_causal_mask(query_len: int, total_len: int, device: torch.device) -> torch.Tensor:
+    """Query i (absolute position total - query_len + i) sees keys 0..that position."""
+    rows = torch.arange(total_len - query_len, total_len, device=device).unsqueeze(1)
+    return torch.arange(total_len, device=device).unsqueeze(0) <= rows

@@ -1,0 +1,90 @@
+"""Turning a SchedulerOutput into one flattened batch of tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from threefold.core.block_pool import NULL_BLOCK_ID
+from threefold.sample.params import SamplingParams
+from threefold.worker.attention import AttentionMetadata, PrefillChunk
+
+
+@dataclass
+class CachedRequestState:
+    """The runner's copy of a request, kept across steps (and across preemption)."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+    prompt_logprobs: list = field(default_factory=list)
+    """Accumulated over prefill chunks; handed back once the prompt is done."""
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass
+class StepBatch:
+    """One step's inputs. Requests are ordered decodes first, then prefill chunks."""
+
+    input_ids: torch.Tensor        # [T]
+    positions: torch.Tensor        # [T]
+    attn: AttentionMetadata
+    order: list[CachedRequestState]
+    query_starts: list[int]
+    query_lens: list[int]
+    sample_rows: list[int]
+    """Token index whose logits feed sampling, per request in `order` that samples."""
+    sampling_states: list[CachedRequestState]
+
+
+def build_batch(states: list[CachedRequestState], num_scheduled: dict[str, int],
+                spec_tokens: dict[str, list[int]], block_size: int, device: torch.device) -> StepBatch:
+    order = sorted(states, key=lambda s: num_scheduled[s.request_id] != 1)  # stable: decodes first
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    starts, lens, sample_rows, sampling = [], [], [], []
+    for state in order:
+        start, n = state.num_computed_tokens, num_scheduled[state.request_id]
+        tokens = state.token_ids + spec_tokens.get(state.request_id, [])
+        starts.append(len(input_ids))
+        lens.append(n)
+        input_ids.extend(tokens[start : start + n])
+        positions.extend(range(start, start + n))
+        slots.extend(state.block_ids[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        if start + n >= len(state.token_ids):
+            sample_rows.append(len(input_ids) - 1)
+            sampling.append(state)
+    attn = _attention_metadata(order, starts, lens, slots, block_size, device)
+    return StepBatch(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), attn,
+                     order, starts, lens, sample_rows, sampling)
+
+
+def _attention_metadata(order: list[CachedRequestState], starts: list[int], lens: list[int],
+                        slots: list[int], block_size: int, device: torch.device) -> AttentionMetadata:
+    num_decodes = sum(1 for n in lens if n == 1)
+    decodes = order[:num_decodes]
+    block_table = mask = None
+    if decodes:
+        seq_lens = [s.num_computed_tokens + 1 for s in decodes]
+        max_blocks = -(-max(seq_lens) // block_size)
+        table = [s.block_ids[:max_blocks] + [NULL_BLOCK_ID] * (max_blocks - len(s.block_ids[:max_blocks]))
+                 for s in decodes]
+        block_table = torch.tensor(table, device=device)
+        key_pos = torch.arange(max_blocks * block_size, device=device)
+        visible = key_pos.unsqueeze(0) < torch.tensor(seq_lens, device=device).unsqueeze(1)
+        mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+    prefills = []
+    for state, start, n in zip(order[num_decodes:], starts[num_decodes:], lens[num_decodes:]):
+        num_blocks = -(-(state.num_computed_tokens + n) // block_size)
+        prefills.append(PrefillChunk(start, n, state.num_computed_tokens,
+                                     torch.tensor([state.block_ids[:num_blocks]], device=device)))
+    return AttentionMetadata(torch.tensor(slots, device=device), num_decodes, block_table, mask, prefills)

@@ -1,0 +1,122 @@
+"""ModelRunner: SchedulerOutput -> one flattened forward -> sampled tokens.
+
+The runner owns the tensors (weights, paged KV) and a cached copy of each
+request; it holds no scheduling state. The single host sync of a step is
+the `.tolist()` in `_to_output`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from threefold.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from threefold.kv.codec import make_codec
+from threefold.kv.paged import PagedKVCache
+from threefold.model.loader import LoadedModel
+from threefold.sample.sampler import Sampler, SamplingMetadata, compute_logprobs_tensors
+from threefold.worker.attention import PagedAttention
+from threefold.worker.batch import CachedRequestState, StepBatch, build_batch
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, block_size: int, kv_cache_dtype: str = "auto",
+                 device: str | torch.device = "cpu") -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.config = loaded.config
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.codec = make_codec(kv_cache_dtype, self.config.num_kv_heads, self.config.head_dim, self.config.dtype)
+        self.sampler = Sampler()
+        self.eos_token_ids = list(loaded.eos_token_ids)
+        self.states: dict[str, CachedRequestState] = {}
+        self.kv_cache: PagedKVCache | None = None
+
+    def bytes_per_block(self) -> int:
+        return PagedKVCache.bytes_per_block(self.codec, self.config.num_layers, self.block_size)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache = PagedKVCache(self.codec, self.config.num_layers, num_blocks, self.block_size, self.device)
+
+    # ---- per-step state ----------------------------------------------------
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for request_id in sched.finished_req_ids:
+            self.states.pop(request_id, None)
+        for new in sched.scheduled_new_reqs:
+            seed = new.sampling_params.seed
+            generator = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
+            old = self.states.get(new.request_id)
+            self.states[new.request_id] = CachedRequestState(
+                new.request_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.sampling_params,
+                list(new.block_ids), new.num_computed_tokens, old.generator if old else generator)
+        for cached in sched.scheduled_cached_reqs:
+            state = self.states[cached.request_id]
+            state.num_computed_tokens = cached.num_computed_tokens
+            if cached.resumed_from_preemption:
+                state.block_ids = list(cached.new_block_ids)
+            else:
+                state.block_ids.extend(cached.new_block_ids)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput({})
+        states = [self.states[rid] for rid in sched.num_scheduled_tokens]
+        batch = build_batch(states, sched.num_scheduled_tokens, sched.scheduled_spec_token_ids,
+                            self.block_size, self.device)
+        attention = PagedAttention(self.kv_cache, batch.attn, self.config.head_dim ** -0.5)
+        hidden = self.model(batch.input_ids, batch.positions, attention)
+        prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        output = self._sample(batch, hidden)
+        output.prompt_logprobs = prompt_logprobs
+        for state in batch.order:
+            state.num_computed_tokens += sched.num_scheduled_tokens[state.request_id]
+        return output
+
+    def _sample(self, batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
+        if not batch.sampling_states:
+            return ModelRunnerOutput({})
+        logits = self.model.compute_logits(hidden[batch.sample_rows])  # [N, vocab] fp32
+        states = batch.sampling_states
+        meta = SamplingMetadata.build(
+            [s.params for s in states], [s.token_ids[: s.num_prompt_tokens] for s in states],
+            [s.output_token_ids for s in states],
+            {i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            self.eos_token_ids, logits.shape[-1], self.device)
+        result = self.sampler(logits, meta)
+        sampled = result.sampled_token_ids.tolist()
+        for state, token_id in zip(states, sampled):
+            state.token_ids.append(token_id)
+        output = ModelRunnerOutput({s.request_id: [t] for s, t in zip(states, sampled)})
+        if result.logprobs is not None:
+            for i, state in enumerate(states):
+                if state.params.logprobs is not None:
+                    output.logprobs[state.request_id] = [_row_logprobs(result.logprobs, i, state.params.logprobs)]
+        return output
+
+    def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict[str, list]:
+        """Logprobs of prompt tokens computed this step; returned once a prompt completes."""
+        done = {}
+        for state, start, n in zip(batch.order, batch.query_starts, batch.query_lens):
+            num_top = state.params.prompt_logprobs
+            first = state.num_computed_tokens
+            if num_top is None or first >= state.num_prompt_tokens:
+                continue
+            # Position p predicts token p + 1; the last prompt position predicts the first output.
+            last = min(first + n, state.num_prompt_tokens - 1)
+            if last > first:
+                logits = self.model.compute_logits(hidden[start : start + last - first])
+                targets = torch.tensor(state.token_ids[first + 1 : last + 1], device=self.device)
+                tensors = compute_logprobs_tensors(torch.log_softmax(logits, dim=-1), num_top, targets)
+                state.prompt_logprobs.extend(_row_logprobs(tensors, i, num_top) for i in range(last - first))
+            if first + n >= state.num_prompt_tokens:
+                done[state.request_id] = [None, *state.prompt_logprobs]
+                state.prompt_logprobs = []
+        return done
+
+
+def _row_logprobs(tensors, row: int, num_top: int) -> TokenLogprobs:
+    ids = tensors.token_ids[row, : num_top + 1].tolist()
+    values = tensors.logprobs[row, : num_top + 1].tolist()
+    return TokenLogprobs(ids, values, int(tensors.ranks[row]))
