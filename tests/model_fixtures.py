@@ -167,5 +167,5 @@ def hf_reference_greedy(hf_model, prompt_ids: list[int], num_tokens: int) -> tup
         logprobs.append(float(logp[token]))
         if len(ids) == num_tokens:
             break
-        out = hf_model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+        out = hf_model(torch.tensor([[token]]), cache=out.cache, use_cache=True)
     return ids, logprobs

@@ -70,8 +70,15 @@ def _apply_usage(result: RequestResult, usage: dict) -> None:
         result.cached_tokens = details["cached_tokens"]
 
 
-async def _read_stream(response: httpx.Response, result: RequestResult, chat: bool, t0: float) -> None:
-    num_chunks, last = 0, t0
+def _finish_reason(chunk: dict) -> str | None:
+    choices = chunk.get("choices") or []
+    return choices[0].get("finish_reason") if choices else None
+
+
+async def _read_stream(response: httpx.Response, result: RequestResult, chat: bool, t0: float) -> bool:
+    """Consume the SSE stream into `result`; True when it ended cleanly ([DONE] or a finish_reason)."""
+    num_chunks, last, clean = 0, t0, False
+    first_choice: float | None = None
     usage: dict | None = None
     async for line in response.aiter_lines():
         line = line.strip()
@@ -79,15 +86,19 @@ async def _read_stream(response: httpx.Response, result: RequestResult, chat: bo
             continue
         payload = line[5:].strip()
         if payload == "[DONE]":
+            clean = True
             break
         chunk = json.loads(payload)
         if chunk.get("error"):
             raise RuntimeError(f"error in stream: {chunk['error']}")
         usage = chunk.get("usage") or usage
+        clean = clean or _finish_reason(chunk) is not None
+        now = time.perf_counter()
+        if first_choice is None and chunk.get("choices"):
+            first_choice = now
         text = _chunk_text(chunk, chat)
         if not text:
             continue
-        now = time.perf_counter()
         if result.ttft is None:
             result.ttft = now - t0
         else:
@@ -96,9 +107,13 @@ async def _read_stream(response: httpx.Response, result: RequestResult, chat: bo
         num_chunks += 1
         result.text += text
     result.e2e = time.perf_counter() - t0
+    if result.ttft is None and clean:
+        # An empty completion (EOS first) is a success; its "first token" is the finishing chunk.
+        result.ttft = (first_choice or time.perf_counter()) - t0
     result.output_tokens = num_chunks
     if usage:
         _apply_usage(result, usage)
+    return clean
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, body: dict, chat: bool,
@@ -113,10 +128,10 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, chat: 
                 detail = (await response.aread()).decode(errors="replace")[:300]
                 result.error = f"HTTP {response.status_code}: {detail}"
                 return result
-            await _read_stream(response, result, chat, t0)
-        result.ok = result.ttft is not None
-        if not result.ok:
-            result.error = "no text in the response"
+            clean = await _read_stream(response, result, chat, t0)
+        result.ok = clean
+        if not clean:
+            result.error = "the stream ended before [DONE] or a finish_reason"
     except (httpx.HTTPError, json.JSONDecodeError, RuntimeError) as err:
         result.error = f"{type(err).__name__}: {err}"
     if result.e2e is None:

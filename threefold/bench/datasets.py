@@ -82,6 +82,19 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def _num_tokens(tokenizer: PreTrainedTokenizerBase, text: str, cap: int) -> int:
+    """min(token count, cap), encoding only a head of the text when that settles it.
+
+    ShareGPT replies run to thousands of tokens and we need at most `cap`:
+    if the first 8*cap characters already hold cap tokens, so does the text.
+    """
+    head = text[: cap * 8]
+    num = len(_encode(tokenizer, head))
+    if num >= cap or len(head) == len(text):
+        return min(num, cap)
+    return min(len(_encode(tokenizer, text)), cap)
+
+
 def load_sharegpt(num: int, tokenizer: PreTrainedTokenizerBase, limits: LengthLimits,
                   seed: int = 0, split: str = "test", path: str | None = None) -> list[SampleRequest]:
     """`num` first turns that pass the length filter, in a seed-determined order."""
@@ -91,8 +104,8 @@ def load_sharegpt(num: int, tokenizer: PreTrainedTokenizerBase, limits: LengthLi
         if not pairs:
             continue
         prompt, reply = pairs[0]
-        prompt_len = len(_encode(tokenizer, prompt))
-        output_len = min(len(_encode(tokenizer, reply)), limits.max_output_len)
+        prompt_len = _num_tokens(tokenizer, prompt, limits.max_prompt_len + 1)
+        output_len = _num_tokens(tokenizer, reply, limits.max_output_len)
         if limits.keeps(prompt_len, output_len):
             requests.append(SampleRequest(prompt, prompt_len, output_len, record["id"]))
             if len(requests) == num:
@@ -106,8 +119,8 @@ def _session_from(record: dict, tokenizer: PreTrainedTokenizerBase, limits: Leng
     """Keep turns while the whole conversation (with capped replies) fits max_total_len."""
     turns, outs, lens, total = [], [], [], 0
     for user, reply in dialogue(record)[:max_turns]:
-        user_len = len(_encode(tokenizer, user))
-        out_len = min(len(_encode(tokenizer, reply)), limits.max_output_len)
+        user_len = _num_tokens(tokenizer, user, limits.max_prompt_len + 1)
+        out_len = _num_tokens(tokenizer, reply, limits.max_output_len)
         total += user_len + out_len + 2 * CHAT_TEMPLATE_OVERHEAD
         if not limits.keeps(user_len, out_len) or total > limits.max_total_len:
             break
@@ -151,8 +164,8 @@ def load_humaneval(num: int, tokenizer: PreTrainedTokenizerBase, limits: LengthL
     requests = []
     for i in range(num):
         problem = problems[i % len(problems)]
-        solution_len = len(_encode(tokenizer, problem["canonical_solution"]))
-        max_tokens = max(limits.min_len, min(solution_len, limits.max_output_len))
+        solution_len = _num_tokens(tokenizer, problem["canonical_solution"], limits.max_output_len)
+        max_tokens = max(limits.min_len, solution_len)
         prompt_len = len(_encode(tokenizer, problem["prompt"]))
         requests.append(SampleRequest(problem["prompt"], prompt_len, max_tokens, problem["task_id"]))
     return requests

@@ -51,7 +51,7 @@ class ShareGPT:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.data = path.read_bytes()
-        self.offsets = [m.start() + 1 for m in _RECORD_START.finditer(self.data)]
+        self.offsets = [m.start() + 3 for m in _RECORD_START.finditer(self.data)]
         if not self.offsets:
             raise ThreefoldError(f"{path} does not look like ShareGPT V3 (no records found)", param="dataset")
 

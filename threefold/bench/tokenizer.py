@@ -9,6 +9,7 @@ reloaded from there (~0.2 s).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,8 +55,10 @@ def load_tokenizer_from_path(path: Path) -> PreTrainedTokenizerBase:
     return hf
 
 
+@functools.lru_cache(maxsize=4)
 def load_tokenizer(model: str | None, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
-    """`--tokenizer` wins; else the model name must be a threefold name or a local path."""
+    """`--tokenizer` wins; else the model name must be a threefold name or a local path.
+    Cached: a sweep asks for the same tokenizer at every point."""
     if tokenizer:
         path = Path(tokenizer).expanduser()
         if not path.exists():

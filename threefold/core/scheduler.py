@@ -40,6 +40,8 @@ class _StepPlan:
         self.num_tokens: dict[str, int] = {}
         self.spec: dict[str, list[int]] = {}
         self.preempted: set[str] = set()
+        self.out_of_blocks = False
+        """Running requests were preempted for memory: admit nobody new this step."""
 
 
 class Scheduler:
@@ -99,7 +101,7 @@ class Scheduler:
         plan = _StepPlan(self.config.max_num_batched_tokens)
         self._preempt_for_priority(plan)
         self._schedule_running(plan)
-        if not plan.preempted:
+        if not plan.out_of_blocks:
             self._schedule_waiting(plan)
         finished, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
@@ -147,6 +149,7 @@ class Scheduler:
                 return new_blocks
             victim = self.running.pop()
             self._preempt(victim, plan)
+            plan.out_of_blocks = True
             if victim is request:
                 return None
 

@@ -34,8 +34,13 @@ class LLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
+        return cls.from_engine(LLMEngine.from_args(args))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an existing engine (e.g. several configurations over one loaded model)."""
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine.from_args(args)
+        llm.engine = engine
         llm._ids = itertools.count()
         return llm
 

@@ -56,7 +56,7 @@ class LLMEngine:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
-        self.max_model_len = loaded.max_model_len
+        self.max_model_len = min(loaded.max_model_len, args.max_model_len or loaded.max_model_len)
         self.generation_defaults = dict(loaded.generation_defaults)
         self.eos_token_ids = list(loaded.eos_token_ids)
         self.vocab_size = loaded.config.vocab_size

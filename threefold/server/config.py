@@ -27,8 +27,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ThreefoldError("served_model_names must name at least one model.", param="served_model_name")
-        if self.max_queued_requests is not None and self.max_queued_requests < 0:
-            raise ThreefoldError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}.",
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ThreefoldError(f"max_queued_requests must be at least 1, got {self.max_queued_requests}.",
                                  param="max_queued_requests")
         if self.shutdown_timeout_s < 0:
             raise ThreefoldError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout_s}.",

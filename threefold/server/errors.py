@@ -74,8 +74,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """Pydantic's first complaint, with the offending field named the way the client sent it."""
     first = exc.errors()[0]
     if first.get("type") == "json_invalid":
-        return f"Malformed JSON body: {first.get('msg')}.", "body"
+        return f"Malformed JSON in the request body: {first.get('ctx', {}).get('error', first.get('msg'))}.", None
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if not loc:
+        return f"The request body must be a JSON object: {first.get('msg')}.", None
     # Unions report the branch tried (e.g. "prompt.str"); the client only knows the field.
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"

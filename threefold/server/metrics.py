@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from threefold.engine.async_engine import StatLogger
 from threefold.engine.outputs import RequestOutput
@@ -38,6 +38,7 @@ class ServerMetrics(StatLogger):
     """Engine gauges and counters, plus per-request latency histograms, fed from the engine thread."""
 
     def __init__(self, model_name: str) -> None:
+        disable_created_metrics()  # no `*_created` series, as in vLLM (a process-wide switch)
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
 

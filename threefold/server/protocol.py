@@ -8,7 +8,7 @@ both come back as a 400 naming the field.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -99,4 +99,3 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-FinishReason = Literal["stop", "length", "abort"]

