@@ -245,6 +245,7 @@ def test_errors_are_counted_and_excluded(fake):
     assert s["goodput"] == pytest.approx(4 / duration)
     assert s["slo_attainment"] == pytest.approx(0.5)
     assert s["goodput"] <= s["request_throughput"] + 1e-12
+    assert summarize(results, duration, SLO(tpot=1.0))["goodput"] == pytest.approx(4 / duration)
 
 
 def test_goodput_counts_only_requests_meeting_the_slo(fake):

@@ -153,10 +153,13 @@ def plot(docs: list[dict], out: Path) -> list[str]:
     if goodput:
         _save(_line_plot(goodput, "request rate (req/s)", "goodput (req/s)", "Goodput vs request rate"),
               out, "goodput_vs_rate.png", plots)
-    for metric, title in (("ttft", "TTFT"), ("tpot", "TPOT")):
+    for metric, title in (("ttft", "TTFT"), ("tpot", "TPOT")) if serve else ():
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        values = [v for d in serve for r in d.get("requests", []) if (v := r.get(metric))]
         for d in serve:
             _cdf(ax, [r[metric] for r in d.get("requests", []) if r.get(metric) is not None], _run_name(d), 1e3)
+        if values and max(values) > 20 * min(values):
+            ax.set_xscale("log")  # runs from idle to overloaded span decades
         ax.set(xlabel=f"{title} (ms)", ylabel="fraction of requests", title=f"{title} CDF")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

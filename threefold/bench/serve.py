@@ -127,12 +127,19 @@ async def run_serve(args: argparse.Namespace) -> dict:
     else:
         results, duration = await run_requests(workload, cfg)
     summary = summarize(results, duration, SLO(args.slo_ttft, args.slo_tpot), skipped)
+    config = {**vars(args), "model": model, "endpoint": endpoint}
+    doc = result_document(config, args.label or model, workload_stats(workload), results, summary)
+    doc["started_at"] = started
+    return doc
+
+
+def result_document(config: dict, label: str, workload: dict, results: list[RequestResult],
+                    summary: dict) -> dict:
+    """The saved form of one run (what `bench report` reads)."""
     config = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
-              for k, v in vars(args).items() if not callable(v)}
-    config.update(model=model, endpoint=endpoint)
-    return {"format": RESULT_FORMAT, "kind": "serve", "label": args.label or model, "started_at": started,
-            "host": platform.node(), "config": config, "workload": workload_stats(workload),
-            "summary": summary, "requests": [_request_row(r) for r in results]}
+              for k, v in config.items() if not callable(v)}
+    return {"format": RESULT_FORMAT, "kind": "serve", "label": label, "host": platform.node(), "config": config,
+            "workload": workload, "summary": summary, "requests": [_request_row(r) for r in results]}
 
 
 def write_results(document: dict, path: str | Path) -> Path:

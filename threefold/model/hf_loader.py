@@ -78,6 +78,13 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
 
 
 def hf_arch_config(raw: dict, dtype: torch.dtype) -> ModelArchConfig:
+    try:
+        return _hf_arch_config(raw, dtype)
+    except KeyError as missing:
+        raise ThreefoldError(f"config.json lacks required key {missing}", param="model") from None
+
+
+def _hf_arch_config(raw: dict, dtype: torch.dtype) -> ModelArchConfig:
     arch = _architecture(raw)
     if raw.get("mlp_bias"):
         raise ThreefoldError("mlp_bias=True checkpoints are not supported", param="model")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from threefold.env import Env
 from threefold.errors import ModelNotFoundError, ThreefoldError
 from threefold.model import gguf_loader, hf_loader
 from threefold.model.config import ModelArchConfig
@@ -58,7 +59,8 @@ def resolve_dtype(requested: str, checkpoint_dtype: torch.dtype, device: str) ->
     return dtype
 
 
-def fingerprint(files: list[Path], dtype: torch.dtype, extra: bytes = b"") -> str:
+def fingerprint(files: list[Path], dtype: torch.dtype | None, extra: bytes = b"") -> str:
+    """sha256 of the dtype, `extra`, and each file's name, size and first MiB."""
     digest = hashlib.sha256(str(dtype).encode() + extra)
     for path in sorted(files):
         digest.update(f"{path.name}:{path.stat().st_size}".encode())
@@ -85,8 +87,6 @@ def build_model(config: ModelArchConfig, source: TensorSource, max_len: int, dev
 
 
 def _max_len(config: ModelArchConfig, max_model_len: int | None) -> int:
-    if max_model_len is not None and max_model_len <= 0:
-        raise ThreefoldError(f"max_model_len must be positive, got {max_model_len}", param="max_model_len")
     return min(config.max_position_embeddings, max_model_len or config.max_position_embeddings)
 
 
@@ -100,13 +100,17 @@ def load_gguf(path: Path, name: str, dtype: str, device: str, max_model_len: int
     config = gguf_loader.gguf_arch_config(reader, resolve_dtype(dtype, checkpoint_dtype, device))
     max_len = _max_len(config, max_model_len)
     model = build_model(config, gguf_loader.GGUFTensorSource(reader, config), max_len, device)
-    tokenizer = Tokenizer.from_gguf(path, gguf_loader.gguf_chat_template(reader))
+    file_id = fingerprint([path], dtype=None)
+    tokenizer = Tokenizer.from_gguf(
+        path, gguf_loader.gguf_chat_template(reader), cache_dir=Env.read().home / "tokenizers" / file_id[:32]
+    )
     return LoadedModel(
         model=model,
         config=config,
         tokenizer=tokenizer,
         generation_defaults={},
-        eos_token_ids=_dedup([*gguf_loader.gguf_eos_token_ids(reader), tokenizer.eos_token_id]),
+        eos_token_ids=_dedup([*gguf_loader.gguf_eos_token_ids(reader), tokenizer.eos_token_id,
+                              *tokenizer.end_of_generation_ids()]),
         fingerprint=fingerprint([path], config.dtype),
         name=name,
         max_model_len=max_len,
@@ -141,6 +145,8 @@ def load_model(
     """Load a registry name (pulled on first use), a .gguf file, or an HF checkpoint directory."""
     from threefold.model.registry import REGISTRY, resolve
 
+    if max_model_len is not None and max_model_len <= 0:
+        raise ThreefoldError(f"max_model_len must be positive, got {max_model_len}", param="max_model_len")
     path = resolve(model)
     name = model if model in REGISTRY else path.name
     if path.is_dir():

