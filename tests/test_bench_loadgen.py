@@ -343,3 +343,26 @@ def test_unreachable_server_is_an_error_not_a_crash():
 def test_request_result_tpot_needs_two_tokens():
     assert RequestResult(ok=True, ttft=0.1, e2e=0.1, output_tokens=1).tpot is None
     assert RequestResult(ok=True, ttft=0.1, e2e=0.4, output_tokens=4).tpot == pytest.approx(0.1)
+
+
+def _serve_main() -> None:
+    """`python tests/test_bench_loadgen.py --port P --ttft S`: the fake as a process, for sweep tests."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--ttft", type=float, default=0.02)
+    parser.add_argument("--itl", type=float, default=0.005)
+    ns = parser.parse_args()
+    server = FakeServer(FakeSpec(ttft=ns.ttft, itl=ns.itl, num_tokens=4))
+
+    async def main():
+        srv = await asyncio.start_server(server.handle, "127.0.0.1", ns.port)
+        async with srv:
+            await srv.serve_forever()
+
+    asyncio.run(main())
+
+
+if __name__ == "__main__":
+    _serve_main()

@@ -61,7 +61,7 @@ def test_report_writes_table_and_plots(result_files, tmp_path):
     row = next(line for line in table if line.startswith("| threefold | sharegpt | inf | 4 |"))
     assert f"| 20 | 1 | {doc['summary']['request_throughput']:.3f} |" in row
     assert f"{doc['summary']['ttft']['p99'] * 1e3:.1f}" in row
-    assert "## TTFT by session turn" in text and "| threefold-sessions | 2 | " in text
+    assert "## TTFT by session turn" in text and "| threefold-sessions c=4 | 2 | " in text
     assert "## Offline throughput" in text and "| transformers | transformers | 8 | 800 | 4.00 | 200.0 |" in text
     pngs = sorted(p.name for p in md.parent.glob("*.png"))
     assert pngs == ["goodput_vs_rate.png", "throughput_vs_concurrency.png", "tpot_cdf.png", "ttft_cdf.png",

@@ -172,3 +172,42 @@ def test_gguf_tokenizer_cache_gives_the_same_tokenizer(tmp_path):
     assert cached.encode(prompt) == fresh.encode(prompt)
     assert (cached.bos_token_id, cached.eos_token_id, cached.all_special_ids, cached.vocab_size) == (
         fresh.bos_token_id, fresh.eos_token_id, fresh.all_special_ids, fresh.vocab_size)
+
+
+def test_gguf_file_parser_matches_the_gguf_package():
+    """Our fast metadata/tensor parser against gguf.GGUFReader on the real file."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from threefold.model.gguf_file import GGUFFile
+
+    ours, theirs = GGUFFile(smollm2_gguf_path()), GGUFReader(smollm2_gguf_path())
+    for key, field in theirs.fields.items():
+        if not key.startswith("GGUF."):
+            assert ours.metadata[key] == field.contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert a.tensor_type == b.tensor_type and a.data.dtype == b.data.dtype
+        assert np.array_equal(a.data, b.data), a.name
+
+
+def test_chunked_dequantization_matches_gguf():
+    """Our chunked call into gguf's dequantizers gives gguf.quants.dequantize's values
+    exactly, for every tensor type in the SmolLM2 file (Q4_1, Q8_0, F32)."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from threefold.model.gguf_file import GGUFFile
+    from threefold.model.gguf_loader import dequantize_rows
+
+    file = GGUFFile(smollm2_gguf_path())
+    seen = set()
+    for tensor in file.tensors:
+        if tensor.tensor_type in seen:
+            continue
+        seen.add(tensor.tensor_type)
+        expected = dequantize(tensor.data, tensor.tensor_type)
+        actual = dequantize_rows(tensor.data, tensor.tensor_type)
+        assert actual.dtype == np.float32 and actual.flags.writeable
+        assert np.array_equal(actual, expected), tensor.name
+    assert len(seen) == 3

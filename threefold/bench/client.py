@@ -139,16 +139,21 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, chat: 
     return result
 
 
-def completion_body(model: str, prompt: str | list[int], max_tokens: int, ignore_eos: bool,
-                    temperature: float) -> dict:
-    body: dict = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
+def _extras(body: dict, ignore_eos: bool, logit_bias: dict[str, float] | None) -> dict:
     if ignore_eos:
         body["ignore_eos"] = True  # a vLLM/threefold extension; llama.cpp ignores it
+    if logit_bias:
+        body["logit_bias"] = logit_bias  # standard OpenAI: how llama.cpp is kept from stopping
     return body
 
 
-def chat_body(model: str, messages: list[dict], max_tokens: int, ignore_eos: bool, temperature: float) -> dict:
-    body: dict = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
-    if ignore_eos:
-        body["ignore_eos"] = True
-    return body
+def completion_body(model: str, prompt: str | list[int], max_tokens: int, ignore_eos: bool,
+                    temperature: float, logit_bias: dict[str, float] | None = None) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
+    return _extras(body, ignore_eos, logit_bias)
+
+
+def chat_body(model: str, messages: list[dict], max_tokens: int, ignore_eos: bool, temperature: float,
+              logit_bias: dict[str, float] | None = None) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
+    return _extras(body, ignore_eos, logit_bias)

@@ -45,6 +45,8 @@ class LoadConfig:
     seed: int = 0
     timeout_s: float = 600.0
     progress: bool = True
+    logit_bias: dict[str, float] | None = None
+    """Sent with every request; `--suppress-eos` bans the special tokens this way."""
 
     def url(self, endpoint: str) -> str:
         root = self.base_url.rstrip("/")
@@ -91,8 +93,10 @@ class _Runner:
             if not isinstance(request.prompt, str):
                 raise ValueError("the chat endpoint needs text prompts; use --random-mode words")
             messages = [{"role": "user", "content": request.prompt}]
-            return chat_body(cfg.model, messages, request.max_tokens, cfg.ignore_eos, cfg.temperature)
-        return completion_body(cfg.model, request.prompt, request.max_tokens, cfg.ignore_eos, cfg.temperature)
+            return chat_body(cfg.model, messages, request.max_tokens, cfg.ignore_eos, cfg.temperature,
+                             cfg.logit_bias)
+        return completion_body(cfg.model, request.prompt, request.max_tokens, cfg.ignore_eos, cfg.temperature,
+                               cfg.logit_bias)
 
     async def session(self, index: int, session: Session) -> tuple[list[RequestResult], int]:
         """Play one conversation; a failed turn ends it (its later turns are skipped)."""
@@ -101,7 +105,8 @@ class _Runner:
         messages: list[dict] = []
         for turn, user in enumerate(session.user_turns):
             messages.append({"role": "user", "content": user})
-            body = chat_body(cfg.model, list(messages), session.max_tokens[turn], cfg.ignore_eos, cfg.temperature)
+            body = chat_body(cfg.model, list(messages), session.max_tokens[turn], cfg.ignore_eos, cfg.temperature,
+                             cfg.logit_bias)
             prompt_len = sum(session.user_lens[: turn + 1]) + sum(session.max_tokens[:turn])
             result = RequestResult(prompt_len=prompt_len, turn=turn, session_id=session.session_id)
             results.append(await self.send("chat", body, result))

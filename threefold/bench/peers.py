@@ -180,8 +180,11 @@ def serve_command(peer: str, model: str, port: int, host: str = "127.0.0.1", max
         # Without the bind vLLM leaves one of 2 cores idle; the KV space is GiB of RAM.
         return cmd, {"VLLM_CPU_OMP_THREADS_BIND": f"0-{_num_cpus() - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
     gguf = resolve_model_path(model, pull_if_missing=True)
+    # llama-cpp-python serves one request at a time, and by default a new request aborts the
+    # running one (its stream just ends); queueing them instead is what a benchmark needs.
     cmd = [python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", name, "--host", host,
-           "--port", str(port), "--n_ctx", str(max_model_len), "--n_threads", str(_num_cpus())]
+           "--port", str(port), "--n_ctx", str(max_model_len), "--n_threads", str(_num_cpus()),
+           "--interrupt_requests", "False"]
     return cmd, {}
 
 

@@ -79,10 +79,10 @@ def _per_turn_table(docs: list[dict]) -> str:
     for doc in docs:
         for turn in doc["summary"].get("per_turn", []):
             cached = turn["cached_token_ratio"]
-            rows.append([doc["label"], str(turn["turn"]), str(turn["completed"]),
+            rows.append([_run_name(doc), str(turn["turn"]), str(turn["completed"]),
                          _num(turn["mean_prompt_tokens"], "{:.0f}"), _ms(turn["ttft"], "mean"),
                          _ms(turn["ttft"], "p90"), _num(cached * 100 if cached is not None else None, "{:.1f}")])
-    return markdown_table(["label", "turn", "ok", "prompt tokens", "TTFT mean ms", "TTFT p90 ms", "cached %"], rows)
+    return markdown_table(["run", "turn", "ok", "prompt tokens", "TTFT mean ms", "TTFT p90 ms", "cached %"], rows)
 
 
 def markdown(docs: list[dict], plots: list[str]) -> str:

@@ -61,7 +61,9 @@ def add_serve_args(parser: argparse.ArgumentParser, with_server: bool = True) ->
     parser.add_argument("--min-turns", type=int, default=2)
     parser.add_argument("--max-turns", type=int, default=8)
     parser.add_argument("--think-time", type=float, default=1.0, help="sessions: mean think time, seconds")
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM, threefold)")
+    parser.add_argument("--suppress-eos", action="store_true",
+                        help="send logit_bias -100 on the tokenizer's special tokens (llama.cpp ignores ignore_eos)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--slo-ttft", type=float, default=None, help="seconds")
     parser.add_argument("--slo-tpot", type=float, default=None, help="seconds")
@@ -117,8 +119,9 @@ async def run_serve(args: argparse.Namespace) -> dict:
     workload = build_workload(args, tokenizer)
     sessions = args.dataset == "sharegpt-sessions"
     endpoint = "chat" if sessions else (args.endpoint or "completions")
+    bias = {str(i): -100.0 for i in tokenizer.all_special_ids} if args.suppress_eos else None
     cfg = LoadConfig(args.base_url, model, endpoint, args.request_rate, args.max_concurrency, args.ignore_eos,
-                     args.temperature, args.think_time, args.seed, args.timeout, not args.no_progress)
+                     args.temperature, args.think_time, args.seed, args.timeout, not args.no_progress, bias)
     await _warm_up(workload, cfg, args.num_warmups)
     started = datetime.datetime.now(datetime.timezone.utc).isoformat()
     skipped = 0

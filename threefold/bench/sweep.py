@@ -130,9 +130,13 @@ def _point_name(key: str, value) -> str:
     return f"c{value}" if key == "max_concurrency" else f"r{value:g}"
 
 
-def run_point(args: argparse.Namespace, server: ManagedServer, key: str, value, rnd: int, out_dir: Path) -> Path:
+def run_point(args: argparse.Namespace, server: ManagedServer, key: str, value, rnd: int, index: int,
+              out_dir: Path) -> Path:
     point = copy.copy(args)
     point.base_url, point.label = server.base_url, server.spec.label
+    # The server outlives the points: fresh prompts per point keep one point's prefix-cache
+    # hits from flattering the next; the same point index draws the same prompts on every server.
+    point.seed = args.seed if args.same_prompts else args.seed + 1000 * index
     point.request_rate = args.request_rate if key == "max_concurrency" else value
     point.max_concurrency = value if key == "max_concurrency" else args.max_concurrency
     doc = asyncio.run(run_serve(point))
@@ -158,7 +162,7 @@ def run_sweep(args: argparse.Namespace) -> list[Path]:
             spec = parse_server(text, args.model, port, args.max_total_len)
             log = out_dir / "logs" / f"{spec.label}_round{rnd}.log"
             with ManagedServer(spec, port, log, args.startup_timeout) as server:
-                paths += [run_point(args, server, key, value, rnd, out_dir) for key, value in points]
+                paths += [run_point(args, server, key, value, rnd, i, out_dir) for i, (key, value) in enumerate(points)]
     print(f"report: {write_report(paths, out_dir)}")
     return paths
 
@@ -172,4 +176,6 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=None, help="cap used with --rates")
     parser.add_argument("--rounds", type=int, default=1, help="repeat the whole cycle (interleaving engines)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /v1/models")
+    parser.add_argument("--same-prompts", action="store_true",
+                        help="send the same prompts at every point (default: a fresh sample per point)")
     parser.add_argument("--out-dir", required=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import torch
 from tqdm import tqdm
 
 from threefold.engine.llm_engine import EngineArgs, LLMEngine
@@ -82,6 +83,21 @@ class LLM:
             tokenizer.apply_chat_template(conv, add_generation_prompt=True, **template_kwargs),
             add_special_tokens=False)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def score_distributions(self, token_id_lists: list[list[int]]) -> list[torch.Tensor]:
+        """Next-token log-distributions [len - 1, vocab] (float32) at every position of each
+        sequence, computed through the engine's own paged-KV path (for quality measurements)."""
+        runner = self.engine.core.runner
+        chunks: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        runner.prompt_logprobs_observer = lambda rid, start, rows: chunks.setdefault(rid, []).append(
+            (start, rows.float().cpu()))
+        try:
+            outputs = self.generate([{"prompt_token_ids": ids} for ids in token_id_lists],
+                                    SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0))
+        finally:
+            runner.prompt_logprobs_observer = None
+        return [torch.cat([rows for _, rows in sorted(chunks[o.request_id], key=lambda c: c[0])])
+                for o in outputs]
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

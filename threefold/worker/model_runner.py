@@ -7,6 +7,8 @@ the `.tolist()` in `_to_output`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from threefold.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -31,6 +33,9 @@ class ModelRunner:
         self.eos_token_ids = list(loaded.eos_token_ids)
         self.states: dict[str, CachedRequestState] = {}
         self.kv_cache: PagedKVCache | None = None
+        self.prompt_logprobs_observer: Callable[[str, int, torch.Tensor], None] | None = None
+        """Measurement hook (bench quality): sees the full log-distribution rows
+        [n, vocab] of prompt positions starting at a position, per request."""
 
     def bytes_per_block(self) -> int:
         return PagedKVCache.bytes_per_block(self.codec, self.config.num_layers, self.block_size)
@@ -108,7 +113,10 @@ class ModelRunner:
             if last > first:
                 logits = self.model.compute_logits(hidden[start : start + last - first])
                 targets = torch.tensor(state.token_ids[first + 1 : last + 1], device=self.device)
-                tensors = compute_logprobs_tensors(torch.log_softmax(logits, dim=-1), num_top, targets)
+                logprobs = torch.log_softmax(logits, dim=-1)
+                if self.prompt_logprobs_observer is not None:
+                    self.prompt_logprobs_observer(state.request_id, first, logprobs)
+                tensors = compute_logprobs_tensors(logprobs, num_top, targets)
                 state.prompt_logprobs.extend(_row_logprobs(tensors, i, num_top) for i in range(last - first))
             if first + n >= state.num_prompt_tokens:
                 done[state.request_id] = [None, *state.prompt_logprobs]
