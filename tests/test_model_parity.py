@@ -163,7 +163,7 @@ def test_qwen_gguf_matches_transformers(name):
     prompt plus 12 greedy tokens match transformers; measured max |diff| ~2e-5."""
     from transformers import AutoModelForCausalLM
 
-    from threefold.model.registry import is_pulled, REGISTRY, resolve
+    from threefold.model.registry import REGISTRY, is_pulled, resolve
 
     if not is_pulled(REGISTRY[name]):
         pytest.skip(f"{name} not pulled (threefold pull {name})")
