@@ -42,6 +42,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None
     """[num_decodes, 1, 1, max_blocks * block_size] additive: 0 where a key exists, -inf after."""
     prefills: list[PrefillChunk]
+    sliding_window: int | None = None
+    """Mistral-style: a token sees only the `sliding_window` most recent positions (itself included)."""
 
 
 class PagedAttention:
@@ -77,21 +79,29 @@ class PagedAttention:
     def _prefill(self, layer_idx: int, chunk: PrefillChunk, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
         q = q.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, d]
+        window = self.meta.sliding_window
+        total = chunk.context_len + chunk.query_len
         if chunk.context_len == 0:
-            # Nothing cached before the chunk: attend over its fresh K/V, plain causal.
+            # Nothing cached before the chunk: attend over its fresh K/V.
             keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-            mask, causal = None, True
         else:
             keys, values = self.cache.read(layer_idx, chunk.block_table)
-            total = chunk.context_len + chunk.query_len
             keys, values = keys[:, :, :total], values[:, :, :total]
-            mask, causal = _offset_causal_mask(chunk.query_len, total, q.device), False
+        if chunk.context_len == 0 and (window is None or total <= window):
+            mask, causal = None, True  # plain causal: SDPA's fast path
+        else:
+            mask, causal = _offset_causal_mask(chunk.query_len, total, window, q.device), False
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
                                              scale=self.scale, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
 
 
-def _offset_causal_mask(query_len: int, total_len: int, device: torch.device) -> torch.Tensor:
-    """Query i (absolute position total - query_len + i) sees keys 0..that position."""
+def _offset_causal_mask(query_len: int, total_len: int, window: int | None,
+                        device: torch.device) -> torch.Tensor:
+    """Query i (absolute position p = total - query_len + i) sees keys j <= p (and j > p - window)."""
     rows = torch.arange(total_len - query_len, total_len, device=device).unsqueeze(1)
-    return torch.arange(total_len, device=device).unsqueeze(0) <= rows
+    keys = torch.arange(total_len, device=device).unsqueeze(0)
+    visible = keys <= rows
+    if window is not None:
+        visible &= keys > rows - window
+    return visible

@@ -46,7 +46,8 @@ class StepBatch:
 
 
 def build_batch(states: list[CachedRequestState], num_scheduled: dict[str, int],
-                spec_tokens: dict[str, list[int]], block_size: int, device: torch.device) -> StepBatch:
+                spec_tokens: dict[str, list[int]], block_size: int, device: torch.device,
+                sliding_window: int | None = None) -> StepBatch:
     order = sorted(states, key=lambda s: num_scheduled[s.request_id] != 1)  # stable: decodes first
     input_ids: list[int] = []
     positions: list[int] = []
@@ -63,13 +64,14 @@ def build_batch(states: list[CachedRequestState], num_scheduled: dict[str, int],
         if start + n >= len(state.token_ids):
             sample_rows.append(len(input_ids) - 1)
             sampling.append(state)
-    attn = _attention_metadata(order, starts, lens, slots, block_size, device)
+    attn = _attention_metadata(order, starts, lens, slots, block_size, device, sliding_window)
     return StepBatch(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), attn,
                      order, starts, lens, sample_rows, sampling)
 
 
 def _attention_metadata(order: list[CachedRequestState], starts: list[int], lens: list[int],
-                        slots: list[int], block_size: int, device: torch.device) -> AttentionMetadata:
+                        slots: list[int], block_size: int, device: torch.device,
+                        sliding_window: int | None) -> AttentionMetadata:
     num_decodes = sum(1 for n in lens if n == 1)
     decodes = order[:num_decodes]
     block_table = mask = None
@@ -79,12 +81,16 @@ def _attention_metadata(order: list[CachedRequestState], starts: list[int], lens
         table = [s.block_ids[:max_blocks] + [NULL_BLOCK_ID] * (max_blocks - len(s.block_ids[:max_blocks]))
                  for s in decodes]
         block_table = torch.tensor(table, device=device)
-        key_pos = torch.arange(max_blocks * block_size, device=device)
-        visible = key_pos.unsqueeze(0) < torch.tensor(seq_lens, device=device).unsqueeze(1)
+        key_pos = torch.arange(max_blocks * block_size, device=device).unsqueeze(0)
+        lengths = torch.tensor(seq_lens, device=device).unsqueeze(1)
+        visible = key_pos < lengths
+        if sliding_window is not None:
+            visible &= key_pos >= lengths - sliding_window
         mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))[:, None, None, :]
     prefills = []
     for state, start, n in zip(order[num_decodes:], starts[num_decodes:], lens[num_decodes:]):
         num_blocks = -(-(state.num_computed_tokens + n) // block_size)
         prefills.append(PrefillChunk(start, n, state.num_computed_tokens,
                                      torch.tensor([state.block_ids[:num_blocks]], device=device)))
-    return AttentionMetadata(torch.tensor(slots, device=device), num_decodes, block_table, mask, prefills)
+    return AttentionMetadata(torch.tensor(slots, device=device), num_decodes, block_table, mask, prefills,
+                             sliding_window)
