@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 
 import httpx
 import openai
@@ -22,6 +21,7 @@ from threefold.engine.llm_engine import EngineArgs, LLMEngine
 from threefold.sample.params import SamplingParams
 from threefold.server import serving_completions
 from threefold.server.testing import ServerThread
+from server_helpers import metrics, wait_for
 
 MODEL = "smollm2-135m"
 MAX_MODEL_LEN = 2048
@@ -45,21 +45,7 @@ def client(server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def metrics(url: str) -> dict[str, float]:
-    """Every sample as 'name' or 'name{label=value}' -> value (model_name label dropped)."""
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
-            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return out
 
-
-def wait_for(predicate, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def idle(url: str) -> bool:

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from threefold.server.testing import ServerProcess
+from server_helpers import wait_for
 
 KEY = "sk-test-123"
 NAMES = ("tiny-chat", "smollm2")
@@ -44,11 +45,7 @@ def gauge(server: ServerProcess, name: str) -> float:
     raise KeyError(name)
 
 
-def wait_for(predicate, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
+
 
 
 def test_api_key_is_required_on_v1(server: ServerProcess, client: openai.OpenAI) -> None:

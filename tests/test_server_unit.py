@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from threefold.engine.llm_engine import EngineStats
 from threefold.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
@@ -22,6 +21,7 @@ from threefold.engine.outputs import CompletionOutput, RequestMetrics, RequestOu
 from threefold.errors import ContextLengthError, ThreefoldError
 from threefold.sample.params import SamplingParams
 from threefold.server.testing import ServerThread
+from server_helpers import metrics, wait_for
 
 
 class CharTokenizer:
@@ -110,21 +110,7 @@ class FakeEngine:
         return EngineStats(len(self.running), len(self.waiting), len(self.running) / 10, 0, 0, 0)
 
 
-def _metrics(url: str) -> dict[str, float]:
-    """Every sample as 'name{label=value,...}' -> value (labels sorted, model_name dropped)."""
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
-            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return out
 
-
-def _wait_for(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -136,7 +122,7 @@ def test_metrics_count_tokens_and_latencies_exactly() -> None:
         result = _client(server.url).completions.create(model="fake", prompt="abcd", max_tokens=3)
         assert result.choices[0].text == "abc"
         assert result.usage.prompt_tokens == 4 and result.usage.completion_tokens == 3
-        m = _metrics(server.url)
+        m = metrics(server.url)
     assert m["vllm:prompt_tokens_total"] == 4
     assert m["vllm:generation_tokens_total"] == 3
     assert m["vllm:request_success_total{finished_reason=length}"] == 1
@@ -173,7 +159,7 @@ def test_overload_rejects_with_retry_after() -> None:
         running = client.completions.create(model="fake", prompt="r", max_tokens=60, stream=True)
         next(iter(running))
         waiting = client.completions.create(model="fake", prompt="w", max_tokens=60, stream=True)
-        _wait_for(lambda: server.state.engine.num_waiting == 1)
+        wait_for(lambda: server.state.engine.num_waiting == 1)
         started = time.monotonic()
         response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert time.monotonic() - started < 1.0
@@ -182,7 +168,7 @@ def test_overload_rejects_with_retry_after() -> None:
         assert "overloaded" in response.json()["error"]["message"]
         running.close()
         waiting.close()
-        _wait_for(lambda: not engine.has_unfinished_requests())
+        wait_for(lambda: not engine.has_unfinished_requests())
         assert len(engine.aborted) == 2
 
 
@@ -192,10 +178,10 @@ def test_closed_stream_aborts_its_engine_request() -> None:
         stream = _client(server.url).completions.create(model="fake", prompt="x", max_tokens=60, stream=True)
         next(iter(stream))
         stream.close()
-        _wait_for(lambda: not engine.has_unfinished_requests())
+        wait_for(lambda: not engine.has_unfinished_requests())
         assert len(engine.aborted) == 1
-        _wait_for(lambda: _metrics(server.url)["vllm:num_requests_running"] == 0)
-        assert _metrics(server.url)["vllm:request_success_total{finished_reason=abort}"] == 1
+        wait_for(lambda: metrics(server.url)["vllm:num_requests_running"] == 0)
+        assert metrics(server.url)["vllm:request_success_total{finished_reason=abort}"] == 1
 
 
 def test_engine_rejection_is_a_400_and_leaks_nothing() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import uuid
 
@@ -122,7 +123,15 @@ def _add_optional(sub, module: str) -> None:
         print(f"warning: {module} unavailable: {exc}", file=sys.stderr)
 
 
+def quiet_openmp() -> None:
+    """Idle OpenMP threads sleep instead of spinning. On a small shared CPU (2 cores, a
+    server and its clients, CI) spinning threads wait a whole timeslice on each other and
+    small matmuls run ~20x slower (measured). Set before torch loads; users may override."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_openmp()
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)

@@ -17,7 +17,7 @@ from types import FrameType
 
 import uvicorn
 
-from threefold.cli import add_engine_args, engine_args_from
+from threefold.cli import add_engine_args, engine_args_from, quiet_openmp
 from threefold.errors import ThreefoldError
 
 logger = logging.getLogger("threefold.server")
@@ -118,6 +118,7 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_openmp()
     parser = argparse.ArgumentParser(prog="threefold serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_args(parser)

@@ -7,9 +7,9 @@ The step's flattened tokens are ordered decodes first, then prefill chunks:
 
 Every layer first writes the step's K/V into the cache, then attends, so a
 request may read blocks another request fills in this very step (prefix
-hits published at allocation rely on this). Decodes are one batched pair
-of matmuls over their gathered blocks; each prefill chunk is one SDPA call
-with a causal mask offset by its already-computed context.
+hits published at allocation rely on this). Decodes are one batched SDPA call
+over their gathered blocks; each prefill chunk is one SDPA call with a causal
+mask offset by its already-computed context.
 """
 
 from __future__ import annotations
@@ -49,10 +49,11 @@ class AttentionMetadata:
 class PagedAttention:
     """The AttentionFn the model calls, bound to one step's metadata."""
 
-    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> None:
+    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, scale: float, dtype: torch.dtype) -> None:
         self.cache = cache
         self.meta = meta
         self.scale = scale
+        self.decode_mask = None if meta.decode_mask is None else meta.decode_mask.to(dtype)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]
@@ -67,14 +68,13 @@ class PagedAttention:
         return out
 
     def _decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
-        keys, values = self.cache.read(layer_idx, self.meta.decode_block_table)  # [B, kvh, L, d]
-        num_seqs, num_kv_heads, _, head_dim = keys.shape
-        group = q.shape[1] // num_kv_heads
-        # GQA without repeating K/V: the `group` query heads sharing a KV head form the rows.
-        q = q.view(num_seqs, num_kv_heads, group, head_dim)
-        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale  # [B, kvh, group, L]
-        probs = torch.softmax(scores + self.meta.decode_mask, dim=-1).to(values.dtype)
-        return torch.matmul(probs, values).reshape(num_seqs, -1, head_dim)
+        keys, values = self.cache.read(layer_idx, self.meta.decode_block_table)  # [B, kvh, L, d] views
+        # SDPA reads the strided views directly and does GQA itself: ~2x faster on CPU
+        # than explicit matmul + softmax over copies (measured).
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values,
+                                             attn_mask=self.decode_mask,
+                                             scale=self.scale, enable_gqa=True)  # [B, H, 1, d]
+        return out.squeeze(2)
 
     def _prefill(self, layer_idx: int, chunk: PrefillChunk, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,7 @@ class ModelRunner:
         states = [self.states[rid] for rid in sched.num_scheduled_tokens]
         batch = build_batch(states, sched.num_scheduled_tokens, sched.scheduled_spec_token_ids,
                             self.block_size, self.device, self.config.sliding_window)
-        attention = PagedAttention(self.kv_cache, batch.attn, self.config.head_dim ** -0.5)
+        attention = PagedAttention(self.kv_cache, batch.attn, self.config.head_dim ** -0.5, self.config.dtype)
         hidden = self.model(batch.input_ids, batch.positions, attention)
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         output = self._sample(batch, hidden)
