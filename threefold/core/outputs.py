@@ -83,6 +83,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    first_scheduled_time: float | None = None
+    """When the request first got a slot (time.time()), for queue-time metrics."""
 
     @property
     def finished(self) -> bool:

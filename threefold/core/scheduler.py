@@ -220,7 +220,8 @@ class Scheduler:
         if not new_ids and prompt_logprobs is None:
             return None
         result = EngineCoreOutput(rid, new_ids, out.logprobs.get(rid, [])[: len(new_ids)] or None,
-                                  prompt_logprobs, num_cached_tokens=request.num_cached_tokens)
+                                  prompt_logprobs, num_cached_tokens=request.num_cached_tokens,
+                                  first_scheduled_time=request.first_scheduled_time)
         if request.is_finished:
             result.finish_reason, result.stop_reason = request.status.finish_reason, request.stop_reason
             self.running.remove(request)

@@ -145,7 +145,7 @@ class LLMEngine:
         state, index = entry
         completion = state.completions[index]
         if state.metrics.first_scheduled_time is None:
-            state.metrics.first_scheduled_time = time.time()
+            state.metrics.first_scheduled_time = out.first_scheduled_time
         try:
             if self.processor.apply(state, completion, out):
                 stopped.append(completion.child_id)
