@@ -44,3 +44,12 @@ def test_the_walker_can_fail(tmp_path):
     bad = tmp_path / "x.py"
     bad.write_text("import torch\nfrom threefold.model.llama import CausalLM\n")
     assert {"torch", "threefold.model.llama"} <= imports_of(bad)
+
+
+def test_core_is_mypy_clean():
+    """STYLE.md rule 5: the plain-Python core type-checks."""
+    api = pytest.importorskip("mypy.api")
+    stdout, _, _ = api.run([str(ROOT / "core"), str(ROOT / "config.py"), "--ignore-missing-imports",
+                            "--follow-imports=silent", "--no-error-summary"])
+    core_errors = [line for line in stdout.splitlines() if line.startswith(("threefold/core", "threefold/config"))]
+    assert not core_errors, "\n".join(core_errors)
