@@ -47,6 +47,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -238,16 +239,28 @@ def run_one(cfg: dict, args, gguf: str, hf_dir: str, peers: Path, prompt_ids, wa
     spec_path = Path(args.out_dir) / f".spec_{os.getpid()}.json"
     spec_path.write_text(json.dumps(spec))
     started = time.perf_counter()
-    try:
-        proc = subprocess.run([python, os.path.abspath(__file__), "--worker", str(spec_path)], capture_output=True,
-                              text=True, env=env, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timeout after {args.timeout} s"}
-    finally:
-        spec_path.unlink(missing_ok=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    out_path = spec_path.with_suffix(".out")
+    # Own session, output to a file: the worker leaves with os._exit, and vLLM's engine-core
+    # children, which would hold a pipe open, are killed with the group afterwards.
+    with open(out_path, "w") as out_file:
+        proc = subprocess.Popen([python, os.path.abspath(__file__), "--worker", str(spec_path)], stdout=out_file,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            spec_path.unlink(missing_ok=True)
+    output = out_path.read_text(errors="replace")
+    out_path.unlink(missing_ok=True)
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
     if not lines:
-        return {"error": f"exit {proc.returncode}: {proc.stderr[-2500:]}"}
+        return {"error": f"exit {proc.returncode}: {output[-2500:]}"}
     res = json.loads(lines[-1][len("RESULT "):])
     res["process_s"] = time.perf_counter() - started
     res["omp_wait_policy"] = env.get("OMP_WAIT_POLICY", "")
@@ -287,7 +300,11 @@ def summarize(configs: list[dict], runs: dict[str, list[dict]], n: int) -> list[
                      "rss_children_mib": max(r["rss_children_mib"] for r in ok),
                      "load_s": statistics.median(r["load_s"] for r in ok), "agree": _agree(ok[-1]["tokens"], ref),
                      "torch_threads": ok[0].get("torch_threads"), "errors": len(runs[cfg["label"]]) - len(ok)})
-    hf = {r["dtype"]: r["tok_s"] for r in rows if r.get("engine") == "transformers"}
+    # The reference at each dtype: the plain `transformers:bf16` / `transformers:fp32` row
+    # (not a +passive variant) when it ran, else any transformers row of that dtype.
+    hf: dict[str, float] = {}
+    for r in sorted((r for r in rows if r.get("engine") == "transformers"), key=lambda r: "+" not in r["label"]):
+        hf[r["dtype"]] = r["tok_s"]
     for r in rows:
         if "tok_s" in r:
             r["x_hf_bf16"] = r["tok_s"] / hf["bfloat16"] if "bfloat16" in hf else None
