@@ -152,3 +152,22 @@ def test_chat_uses_the_template(make_llm):
     assert "<|im_start|>" in template
     assert out.prompt_token_ids == llm.get_tokenizer().encode(template, add_special_tokens=False)
     assert out.outputs[0].text
+
+
+def test_decodes_of_very_different_lengths_batch_exactly(make_llm):
+    """Decodes are bucketed by context length; each bucket must still equal a solo run."""
+    llm = make_llm(max_num_batched_tokens=1024)
+    prompts = [PROMPTS[0], PROMPTS[1] * 6, PROMPTS[2] * 20, PROMPTS[3] * 2]
+    solo = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
+    assert texts(llm.generate(prompts, GREEDY)) == solo
+
+
+def test_length_buckets_bound_padding():
+    from threefold.worker.batch import CachedRequestState, _length_buckets
+
+    def state(n):
+        return CachedRequestState("r", [], 0, GREEDY, [], n, None)
+    lengths = [3, 10, 20, 40, 300, 310, 2000]
+    buckets = _length_buckets([state(n) for n in lengths], 16)
+    # block counts 1,1,2,3,19,20,126: a bucket grows while blocks <= 1.5 x its first + 1
+    assert buckets == [(0, 3), (3, 4), (4, 6), (6, 7)]

@@ -7,8 +7,8 @@ The step's flattened tokens are ordered decodes first, then prefill chunks:
 
 Every layer first writes the step's K/V into the cache, then attends, so a
 request may read blocks another request fills in this very step (prefix
-hits published at allocation rely on this). Decodes are one batched SDPA call
-over their gathered blocks; each prefill chunk is one SDPA call with a causal
+hits published at allocation rely on this). Decodes, bucketed by context length,
+are one SDPA call per bucket over their gathered blocks; each prefill chunk is one SDPA call with a causal
 mask offset by its already-computed context.
 """
 
@@ -33,14 +33,23 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes of similar context length, attended in one call."""
+
+    query_start: int
+    num_seqs: int
+    block_table: torch.Tensor
+    """[num_seqs, max_blocks] padded with the null block."""
+    mask: torch.Tensor
+    """[num_seqs, 1, 1, max_blocks * block_size] additive: 0 where a key exists, -inf after."""
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor
     """[num_tokens] cache slot of every token of the step."""
     num_decodes: int
-    decode_block_table: torch.Tensor | None
-    """[num_decodes, max_blocks] padded with the null block."""
-    decode_mask: torch.Tensor | None
-    """[num_decodes, 1, 1, max_blocks * block_size] additive: 0 where a key exists, -inf after."""
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     sliding_window: int | None = None
     """Mistral-style: a token sees only the `sliding_window` most recent positions (itself included)."""
@@ -53,26 +62,28 @@ class PagedAttention:
         self.cache = cache
         self.meta = meta
         self.scale = scale
-        self.decode_mask = None if meta.decode_mask is None else meta.decode_mask.to(dtype)
+        self.decode_masks = [group.mask.to(dtype) for group in meta.decode_groups]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]
         meta = self.meta
         self.cache.write(layer_idx, meta.slot_mapping, k, v)
         out = torch.empty_like(q)
-        if meta.num_decodes:
-            out[: meta.num_decodes] = self._decode(layer_idx, q[: meta.num_decodes])
+        for group, mask in zip(meta.decode_groups, self.decode_masks):
+            span = slice(group.query_start, group.query_start + group.num_seqs)
+            out[span] = self._decode(layer_idx, q[span], group.block_table, mask)
         for chunk in meta.prefills:
             span = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[span] = self._prefill(layer_idx, chunk, q[span], k[span], v[span])
         return out
 
-    def _decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
-        keys, values = self.cache.read(layer_idx, self.meta.decode_block_table)  # [B, kvh, L, d] views
+    def _decode(self, layer_idx: int, q: torch.Tensor, block_table: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        keys, values = self.cache.read(layer_idx, block_table)  # [B, kvh, L, d] views
         # SDPA reads the strided views directly and does GQA itself: ~2x faster on CPU
         # than explicit matmul + softmax over copies (measured).
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values,
-                                             attn_mask=self.decode_mask,
+                                             attn_mask=mask,
                                              scale=self.scale, enable_gqa=True)  # [B, H, 1, d]
         return out.squeeze(2)
 

@@ -8,7 +8,7 @@ import torch
 
 from threefold.core.block_pool import NULL_BLOCK_ID
 from threefold.sample.params import SamplingParams
-from threefold.worker.attention import AttentionMetadata, PrefillChunk
+from threefold.worker.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 
 
 @dataclass
@@ -48,7 +48,8 @@ class StepBatch:
 def build_batch(states: list[CachedRequestState], num_scheduled: dict[str, int],
                 spec_tokens: dict[str, list[int]], block_size: int, device: torch.device,
                 sliding_window: int | None = None) -> StepBatch:
-    order = sorted(states, key=lambda s: num_scheduled[s.request_id] != 1)  # stable: decodes first
+    # Decodes first, shortest context first (so length buckets are contiguous), then prefill chunks.
+    order = sorted(states, key=lambda s: (num_scheduled[s.request_id] != 1, s.num_computed_tokens))
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -73,24 +74,47 @@ def _attention_metadata(order: list[CachedRequestState], starts: list[int], lens
                         slots: list[int], block_size: int, device: torch.device,
                         sliding_window: int | None) -> AttentionMetadata:
     num_decodes = sum(1 for n in lens if n == 1)
-    decodes = order[:num_decodes]
-    block_table = mask = None
-    if decodes:
-        seq_lens = [s.num_computed_tokens + 1 for s in decodes]
-        max_blocks = -(-max(seq_lens) // block_size)
-        table = [s.block_ids[:max_blocks] + [NULL_BLOCK_ID] * (max_blocks - len(s.block_ids[:max_blocks]))
-                 for s in decodes]
-        block_table = torch.tensor(table, device=device)
-        key_pos = torch.arange(max_blocks * block_size, device=device).unsqueeze(0)
-        lengths = torch.tensor(seq_lens, device=device).unsqueeze(1)
-        visible = key_pos < lengths
-        if sliding_window is not None:
-            visible &= key_pos >= lengths - sliding_window
-        mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+    groups = [_decode_group(order[lo:hi], lo, block_size, device, sliding_window)
+              for lo, hi in _length_buckets(order[:num_decodes], block_size)]
     prefills = []
     for state, start, n in zip(order[num_decodes:], starts[num_decodes:], lens[num_decodes:]):
         num_blocks = -(-(state.num_computed_tokens + n) // block_size)
         prefills.append(PrefillChunk(start, n, state.num_computed_tokens,
                                      torch.tensor([state.block_ids[:num_blocks]], device=device)))
-    return AttentionMetadata(torch.tensor(slots, device=device), num_decodes, block_table, mask, prefills,
-                             sliding_window)
+    return AttentionMetadata(torch.tensor(slots, device=device), num_decodes, groups, prefills, sliding_window)
+
+
+# A bucket's longest context is at most this many times its shortest: padding
+# every decode to the batch's longest context made one 2k-token request cost
+# the whole batch ~10x in gathered K/V (measured on ShareGPT); buckets bound the
+# waste at the price of one gather + SDPA call per bucket and layer.
+_BUCKET_GROWTH = 1.5
+
+
+def _length_buckets(decodes: list[CachedRequestState], block_size: int) -> list[tuple[int, int]]:
+    """[lo, hi) index ranges of decodes (sorted by context) whose block counts are within a factor."""
+    buckets, lo = [], 0
+    for i, state in enumerate(decodes):
+        blocks = state.num_computed_tokens // block_size + 1
+        first = decodes[lo].num_computed_tokens // block_size + 1
+        if i > lo and blocks > _BUCKET_GROWTH * first + 1:
+            buckets.append((lo, i))
+            lo = i
+    if decodes:
+        buckets.append((lo, len(decodes)))
+    return buckets
+
+
+def _decode_group(decodes: list[CachedRequestState], first_token: int, block_size: int, device: torch.device,
+                  sliding_window: int | None) -> DecodeGroup:
+    seq_lens = [s.num_computed_tokens + 1 for s in decodes]
+    max_blocks = -(-max(seq_lens) // block_size)
+    table = [s.block_ids[:max_blocks] + [NULL_BLOCK_ID] * (max_blocks - len(s.block_ids[:max_blocks]))
+             for s in decodes]
+    key_pos = torch.arange(max_blocks * block_size, device=device).unsqueeze(0)
+    lengths = torch.tensor(seq_lens, device=device).unsqueeze(1)
+    visible = key_pos < lengths
+    if sliding_window is not None:
+        visible &= key_pos >= lengths - sliding_window
+    mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+    return DecodeGroup(first_token, len(decodes), torch.tensor(table, device=device), mask)
