@@ -6,7 +6,6 @@ content deltas, then a chunk with the finish_reason (OpenAI's order).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,14 +16,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from threefold.engine.async_engine import RequestStream
 from threefold.engine.outputs import CompletionOutput, RequestOutput
 from threefold.errors import ThreefoldError
-from threefold.server.errors import sse_error
 from threefold.server.logprobs import chat_logprobs
 from threefold.server.protocol import ChatCompletionRequest, ChatMessage
-from threefold.server.serving_common import (SSE_DONE, ServerState, check_model, check_stream_options,
+from threefold.server.serving_common import (ServerState, guarded_sse, check_model, check_stream_options,
                                              final_output, now_s, random_id, raise_if_failed, sampling_params, sse,
                                              submit, unless_disconnected, usage)
 
-logger = logging.getLogger(__name__)
 
 
 def message_dict(message: ChatMessage) -> dict[str, Any]:
@@ -77,7 +74,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     stream = await submit(state, raw_request, plan.request_id, plan.prompt_ids, params, req.priority)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(state, plan, stream, req.n, include_usage), media_type="text/event-stream")
+        chunks = guarded_sse(_stream(state, plan, stream, req.n, include_usage), "streaming chat completion", plan.request_id)
+        return StreamingResponse(chunks, media_type="text/event-stream")
     final = await unless_disconnected(raw_request, final_output(stream))
     return JSONResponse(_response(state, plan, final))
 
@@ -132,27 +130,20 @@ async def _stream(state: ServerState, plan: _Plan, stream: RequestStream, n: int
                   include_usage: bool) -> AsyncIterator[str]:
     cursors = [_Cursor() for _ in range(n)]
     final: RequestOutput | None = None
-    try:
-        for index in range(n):
-            role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None}
-            yield sse(_chunk(state, plan, [role], include_usage))
-        async for output in stream:
-            raise_if_failed(output)
-            for completion in output.outputs:
-                cursor = cursors[completion.index]
-                choice = None if cursor.finished else _delta_choice(state, plan, completion, cursor)
-                if choice is not None:
-                    yield sse(_chunk(state, plan, [choice], include_usage))
-            final = output
-        if include_usage and final is not None:
-            chunk = _chunk(state, plan, [], False)
-            num_generated = sum(len(c.token_ids) for c in final.outputs)
-            chunk["usage"] = usage([len(plan.prompt_ids)], num_generated, final.num_cached_tokens)
-            yield sse(chunk)
-    except ThreefoldError as exc:
-        yield sse_error(exc)
-    except Exception as exc:  # noqa: BLE001 — one broken request must not break the server
-        logger.exception("streaming chat completion %s failed", plan.request_id)
-        yield sse_error(exc)
-    yield SSE_DONE
+    for index in range(n):
+        role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+        yield sse(_chunk(state, plan, [role], include_usage))
+    async for output in stream:
+        raise_if_failed(output)
+        for completion in output.outputs:
+            cursor = cursors[completion.index]
+            choice = None if cursor.finished else _delta_choice(state, plan, completion, cursor)
+            if choice is not None:
+                yield sse(_chunk(state, plan, [choice], include_usage))
+        final = output
+    if include_usage and final is not None:
+        chunk = _chunk(state, plan, [], False)
+        num_generated = sum(len(c.token_ids) for c in final.outputs)
+        chunk["usage"] = usage([len(plan.prompt_ids)], num_generated, final.num_cached_tokens)
+        yield sse(chunk)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -17,9 +18,11 @@ from threefold.engine.outputs import RequestOutput
 from threefold.errors import ModelNotFoundError, ThreefoldError
 from threefold.sample.params import SamplingParams
 from threefold.server.config import ServerConfig
-from threefold.server.errors import ClientDisconnected, ServerError
+from threefold.server.errors import ClientDisconnected, ServerError, sse_error
 from threefold.server.metrics import ServerMetrics
 from threefold.server.protocol import SamplingRequest
+
+logger = logging.getLogger(__name__)
 
 STREAMS_SCOPE_KEY = "threefold.streams"
 """The ASGI scope key under which a request lists its engine streams (aborted when the HTTP call ends)."""
@@ -181,6 +184,19 @@ def sse(payload: dict) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+async def guarded_sse(chunks: AsyncIterator[str], what: str, request_id: str) -> AsyncIterator[str]:
+    """Relay SSE chunks; an error becomes an OpenAI-shaped error event, and the stream always ends with [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except ThreefoldError as exc:
+        yield sse_error(exc)
+    except Exception as exc:  # noqa: BLE001 — one broken request must not break the server
+        logger.exception("%s %s failed", what, request_id)
+        yield sse_error(exc)
+    yield SSE_DONE
 
 
 def usage(prompt_lens: Sequence[int], num_completion_tokens: int, num_cached_tokens: int) -> dict:

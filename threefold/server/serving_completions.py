@@ -8,7 +8,6 @@ is null), which is how lm-eval's local-completions scores log-likelihoods;
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -18,15 +17,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from threefold.engine.async_engine import RequestStream
 from threefold.engine.outputs import CompletionOutput, RequestOutput
 from threefold.errors import ThreefoldError
-from threefold.server.errors import sse_error
 from threefold.server.logprobs import LegacyLogprobs, concat_legacy
 from threefold.server.protocol import CompletionRequest
-from threefold.server.serving_common import (SSE_DONE, ServerState, check_model, check_stream_options,
+from threefold.server.serving_common import (ServerState, guarded_sse, check_model, check_stream_options,
                                              check_token_ids, final_output, merge_streams, now_s, random_id,
                                              raise_if_failed, sampling_params, sse, submit, unless_disconnected,
                                              usage)
 
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -78,7 +75,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
                for i, p in enumerate(plan.prompts)]
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(state, plan, streams, include_usage), media_type="text/event-stream")
+        chunks = guarded_sse(_stream(state, plan, streams, include_usage), "streaming completion", plan.request_id)
+        return StreamingResponse(chunks, media_type="text/event-stream")
     finals = await unless_disconnected(raw_request, _all_final(streams))
     return JSONResponse(_response(state, plan, finals))
 
@@ -166,27 +164,20 @@ async def _stream(state: ServerState, plan: _Plan, streams: list[RequestStream],
                   include_usage: bool) -> AsyncIterator[str]:
     cursors: dict[tuple[int, int], _ChoiceCursor] = {}
     finals: dict[int, RequestOutput] = {}
-    try:
-        async for prompt_index, output in merge_streams(streams):
-            raise_if_failed(output)
-            for completion in output.outputs:
-                cursor = cursors.setdefault((prompt_index, completion.index), _ChoiceCursor())
-                if cursor.finished:
-                    continue
-                choice = _delta_choice(state, plan, prompt_index, output, completion, cursor)
-                if choice is not None:
-                    yield sse(_chunk(state, plan, [choice], include_usage))
-            if output.finished:
-                finals[prompt_index] = output
-        if include_usage:
-            num_generated = sum(c.num_tokens for c in cursors.values())
-            cached = sum(o.num_cached_tokens for o in finals.values())
-            chunk = _chunk(state, plan, [], False)
-            chunk["usage"] = usage([len(p.token_ids) for p in plan.prompts], num_generated, cached)
-            yield sse(chunk)
-    except ThreefoldError as exc:
-        yield sse_error(exc)
-    except Exception as exc:  # noqa: BLE001 — one broken request must not break the server
-        logger.exception("streaming completion %s failed", plan.request_id)
-        yield sse_error(exc)
-    yield SSE_DONE
+    async for prompt_index, output in merge_streams(streams):
+        raise_if_failed(output)
+        for completion in output.outputs:
+            cursor = cursors.setdefault((prompt_index, completion.index), _ChoiceCursor())
+            if cursor.finished:
+                continue
+            choice = _delta_choice(state, plan, prompt_index, output, completion, cursor)
+            if choice is not None:
+                yield sse(_chunk(state, plan, [choice], include_usage))
+        if output.finished:
+            finals[prompt_index] = output
+    if include_usage:
+        num_generated = sum(c.num_tokens for c in cursors.values())
+        cached = sum(o.num_cached_tokens for o in finals.values())
+        chunk = _chunk(state, plan, [], False)
+        chunk["usage"] = usage([len(p.token_ids) for p in plan.prompts], num_generated, cached)
+        yield sse(chunk)
