@@ -56,10 +56,11 @@ def build_batch(states: list[CachedRequestState], num_scheduled: dict[str, int],
     starts, lens, sample_rows, sampling = [], [], [], []
     for state in order:
         start, n = state.num_computed_tokens, num_scheduled[state.request_id]
-        tokens = state.token_ids + spec_tokens.get(state.request_id, [])
         starts.append(len(input_ids))
         lens.append(n)
-        input_ids.extend(tokens[start : start + n])
+        input_ids.extend(state.token_ids[start : start + n])  # no copy of the whole sequence per step
+        if start + n > len(state.token_ids):  # speculative drafts ride after the known tokens
+            input_ids.extend(spec_tokens[state.request_id][: start + n - len(state.token_ids)])
         positions.extend(range(start, start + n))
         slots.extend(state.block_ids[p // block_size] * block_size + p % block_size for p in range(start, start + n))
         if start + n >= len(state.token_ids):
