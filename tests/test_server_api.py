@@ -25,7 +25,10 @@ from server_helpers import metrics, wait_for
 
 MODEL = "smollm2-135m"
 MAX_MODEL_LEN = 2048
-ENGINE_ARGS = EngineArgs(model=MODEL, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory=256 << 20)
+# A 512-token budget: the long prompt of test_disconnect_before_first_token_aborts takes
+# several prefill steps, so the disconnect lands before its first token.
+ENGINE_ARGS = EngineArgs(model=MODEL, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory=256 << 20,
+                         max_num_batched_tokens=512)
 PROMPT = "The capital of France is"
 
 

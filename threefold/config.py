@@ -49,9 +49,9 @@ class CacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
+    max_num_seqs: int = 256
     """Most requests running at once."""
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 2048
     """Token budget of one step: prefill chunks and decodes share it."""
 
     def __post_init__(self) -> None:

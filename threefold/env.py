@@ -13,9 +13,12 @@ class Env:
     """Where pulled models and caches live: $THREEFOLD_HOME, default ~/.cache/threefold."""
     num_threads: int | None
     """Torch intra-op threads: $THREEFOLD_NUM_THREADS, default torch's own choice."""
+    attention_backend: str
+    """$THREEFOLD_ATTENTION: "auto" (default: the compiled CPU kernel where it builds) or "torch"."""
 
     @classmethod
     def read(cls) -> Env:
         home = os.environ.get("THREEFOLD_HOME") or str(Path.home() / ".cache" / "threefold")
         threads = os.environ.get("THREEFOLD_NUM_THREADS")
-        return cls(home=Path(home).expanduser(), num_threads=int(threads) if threads else None)
+        return cls(home=Path(home).expanduser(), num_threads=int(threads) if threads else None,
+                   attention_backend=os.environ.get("THREEFOLD_ATTENTION", "auto"))

@@ -37,8 +37,8 @@ class EngineArgs:
     max_model_len: int | None = None
     kv_cache_memory: int | None = None
     block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     seed: int = 0
     device: str = "cpu"

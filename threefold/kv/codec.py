@@ -48,6 +48,11 @@ class KVCodec(ABC):
     def read(self, storage: object, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of the blocks [B, nb] -> each [B, num_kv_heads, nb * block_size, head_dim]."""
 
+    def dense_views(self, storage: object) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K, V as [num_blocks, block_size, num_kv_heads, head_dim] in the compute dtype, for
+        kernels that attend over blocks in place; None when the codec stores anything else."""
+        return None
+
 
 class DenseCodec(KVCodec):
     """Uncompressed K/V in the model's dtype (bf16 or fp32)."""
@@ -73,6 +78,9 @@ class DenseCodec(KVCodec):
         kv = storage.index_select(1, block_table.flatten())  # [2, B * nb, block_size, kvh, d]
         kv = kv.view(2, num_seqs, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
         return kv[0], kv[1]  # strided views [B, kvh, L, d]
+
+    def dense_views(self, storage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return storage[0], storage[1]
 
 
 CODECS: dict[str, type[KVCodec]] = {"auto": DenseCodec}

@@ -24,3 +24,6 @@ class PagedKVCache:
 
     def read(self, layer_idx: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.codec.read(self.layers[layer_idx], block_table)
+
+    def dense_views(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.codec.dense_views(self.layers[layer_idx])

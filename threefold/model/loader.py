@@ -10,6 +10,8 @@ import torch
 
 from threefold.env import Env
 from threefold.errors import ModelNotFoundError, ThreefoldError
+from threefold.kernels import cpu_kernels
+from threefold.kernels import cpu_kernels
 from threefold.model import gguf_loader, hf_loader
 from threefold.model.config import ModelArchConfig
 from threefold.model.llama import CausalLM
@@ -82,6 +84,9 @@ def build_model(config: ModelArchConfig, source: TensorSource, max_len: int, dev
         model.tie_weights()
     model.requires_grad_(False)
     model.eval().to(device)
+    model.pack_weights()
+    if torch.device(device).type == "cpu":
+        model.use_kernels(cpu_kernels())
     model.init_rope(max_len)
     return model
 

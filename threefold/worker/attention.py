@@ -7,14 +7,20 @@ The step's flattened tokens are ordered decodes first, then prefill chunks:
 
 Every layer first writes the step's K/V into the cache, then attends, so a
 request may read blocks another request fills in this very step (prefix
-hits published at allocation rely on this). Decodes, bucketed by context length,
-are one SDPA call per bucket over their gathered blocks; each prefill chunk is one SDPA call with a causal
-mask offset by its already-computed context.
+hits published at allocation rely on this). Each prefill chunk is one SDPA call
+with a causal mask offset by its already-computed context. Decodes take one of
+two paths that compute the same thing:
+
+    native kernel   threefold.kernels' paged_decode_attention reads K/V rows in
+                    place through the block tables: one group, no copies, no padding
+    plain torch     decodes bucketed by context length, one SDPA call per bucket
+                    over blocks gathered with index_select and an additive mask
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -39,9 +45,12 @@ class DecodeGroup:
     query_start: int
     num_seqs: int
     block_table: torch.Tensor
-    """[num_seqs, max_blocks] padded with the null block."""
-    mask: torch.Tensor
-    """[num_seqs, 1, 1, max_blocks * block_size] additive: 0 where a key exists, -inf after."""
+    """[num_seqs, max_blocks] int64, padded with the null block."""
+    seq_lens: torch.Tensor
+    """[num_seqs] int64: keys each query sees (its context plus itself)."""
+    mask: torch.Tensor | None
+    """Torch path only: [num_seqs, 1, 1, max_blocks * block_size] additive, 0 where a key
+    exists (and is inside the sliding window), -inf elsewhere."""
 
 
 @dataclass
@@ -58,11 +67,13 @@ class AttentionMetadata:
 class PagedAttention:
     """The AttentionFn the model calls, bound to one step's metadata."""
 
-    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, scale: float, dtype: torch.dtype) -> None:
+    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, scale: float, dtype: torch.dtype,
+                 kernels: ModuleType | None = None) -> None:
         self.cache = cache
         self.meta = meta
         self.scale = scale
-        self.decode_masks = [group.mask.to(dtype) for group in meta.decode_groups]
+        self.kernels = kernels
+        self.decode_masks = [None if group.mask is None else group.mask.to(dtype) for group in meta.decode_groups]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]
@@ -71,15 +82,22 @@ class PagedAttention:
         out = torch.empty_like(q)
         for group, mask in zip(meta.decode_groups, self.decode_masks):
             span = slice(group.query_start, group.query_start + group.num_seqs)
-            out[span] = self._decode(layer_idx, q[span], group.block_table, mask)
+            out[span] = self._decode(layer_idx, q[span], group, mask)
         for chunk in meta.prefills:
             span = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[span] = self._prefill(layer_idx, chunk, q[span], k[span], v[span])
         return out
 
-    def _decode(self, layer_idx: int, q: torch.Tensor, block_table: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        keys, values = self.cache.read(layer_idx, block_table)  # [B, kvh, L, d] views
+    def _decode(self, layer_idx: int, q: torch.Tensor, group: DecodeGroup,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        views = self.cache.dense_views(layer_idx) if self.kernels is not None else None
+        if views is not None:
+            out = torch.empty_like(q)
+            self.kernels.paged_decode_attention(out, q, views[0], views[1], group.block_table, group.seq_lens,
+                                                self.scale, self.meta.sliding_window or 0)
+            return out
+        assert mask is not None, "the torch decode path needs the group's mask"
+        keys, values = self.cache.read(layer_idx, group.block_table)  # [B, kvh, L, d] views
         # SDPA reads the strided views directly and does GQA itself: ~2x faster on CPU
         # than explicit matmul + softmax over copies (measured).
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values,

@@ -47,7 +47,9 @@ class StepBatch:
 
 def build_batch(states: list[CachedRequestState], num_scheduled: dict[str, int],
                 spec_tokens: dict[str, list[int]], block_size: int, device: torch.device,
-                sliding_window: int | None = None) -> StepBatch:
+                sliding_window: int | None = None, native_decode: bool = False) -> StepBatch:
+    """native_decode: the decodes go to the native kernel as one group with no mask;
+    otherwise they are bucketed by length for the torch path."""
     # Decodes first, shortest context first (so length buckets are contiguous), then prefill chunks.
     order = sorted(states, key=lambda s: (num_scheduled[s.request_id] != 1, s.num_computed_tokens))
     input_ids: list[int] = []
@@ -66,17 +68,21 @@ def build_batch(states: list[CachedRequestState], num_scheduled: dict[str, int],
         if start + n >= len(state.token_ids):
             sample_rows.append(len(input_ids) - 1)
             sampling.append(state)
-    attn = _attention_metadata(order, starts, lens, slots, block_size, device, sliding_window)
+    attn = _attention_metadata(order, starts, lens, slots, block_size, device, sliding_window, native_decode)
     return StepBatch(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), attn,
                      order, starts, lens, sample_rows, sampling)
 
 
 def _attention_metadata(order: list[CachedRequestState], starts: list[int], lens: list[int],
                         slots: list[int], block_size: int, device: torch.device,
-                        sliding_window: int | None) -> AttentionMetadata:
+                        sliding_window: int | None, native_decode: bool) -> AttentionMetadata:
     num_decodes = sum(1 for n in lens if n == 1)
-    groups = [_decode_group(order[lo:hi], lo, block_size, device, sliding_window)
-              for lo, hi in _length_buckets(order[:num_decodes], block_size)]
+    if native_decode:
+        buckets = [(0, num_decodes)] if num_decodes else []
+    else:
+        buckets = _length_buckets(order[:num_decodes], block_size)
+    groups = [_decode_group(order[lo:hi], lo, block_size, device, sliding_window, with_mask=not native_decode)
+              for lo, hi in buckets]
     prefills = []
     for state, start, n in zip(order[num_decodes:], starts[num_decodes:], lens[num_decodes:]):
         num_blocks = -(-(state.num_computed_tokens + n) // block_size)
@@ -107,15 +113,18 @@ def _length_buckets(decodes: list[CachedRequestState], block_size: int) -> list[
 
 
 def _decode_group(decodes: list[CachedRequestState], first_token: int, block_size: int, device: torch.device,
-                  sliding_window: int | None) -> DecodeGroup:
+                  sliding_window: int | None, with_mask: bool) -> DecodeGroup:
     seq_lens = [s.num_computed_tokens + 1 for s in decodes]
     max_blocks = -(-max(seq_lens) // block_size)
     table = [s.block_ids[:max_blocks] + [NULL_BLOCK_ID] * (max_blocks - len(s.block_ids[:max_blocks]))
              for s in decodes]
+    block_table = torch.tensor(table, dtype=torch.long, device=device)
+    lengths = torch.tensor(seq_lens, dtype=torch.long, device=device)
+    if not with_mask:
+        return DecodeGroup(first_token, len(decodes), block_table, lengths, None)
     key_pos = torch.arange(max_blocks * block_size, device=device).unsqueeze(0)
-    lengths = torch.tensor(seq_lens, device=device).unsqueeze(1)
-    visible = key_pos < lengths
+    visible = key_pos < lengths.unsqueeze(1)
     if sliding_window is not None:
-        visible &= key_pos >= lengths - sliding_window
+        visible &= key_pos >= lengths.unsqueeze(1) - sliding_window
     mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))[:, None, None, :]
-    return DecodeGroup(first_token, len(decodes), torch.tensor(table, device=device), mask)
+    return DecodeGroup(first_token, len(decodes), block_table, lengths, mask)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from threefold.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from threefold.kernels import cpu_kernels
 from threefold.kv.codec import make_codec
 from threefold.kv.paged import PagedKVCache
 from threefold.model.loader import LoadedModel
@@ -33,6 +34,8 @@ class ModelRunner:
         self.eos_token_ids = list(loaded.eos_token_ids)
         self.states: dict[str, CachedRequestState] = {}
         self.kv_cache: PagedKVCache | None = None
+        self.kernels = cpu_kernels() if self.device.type == "cpu" else None
+        """The native decode-attention kernel, or None: the plain torch path (same results)."""
         self.prompt_logprobs_observer: Callable[[str, int, torch.Tensor], None] | None = None
         """Measurement hook (bench quality): sees the full log-distribution rows
         [n, vocab] of prompt positions starting at a position, per request."""
@@ -68,9 +71,12 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput({})
         states = [self.states[rid] for rid in sched.num_scheduled_tokens]
+        kernels = self.kernels if self.kv_cache.dense_views(0) is not None else None
         batch = build_batch(states, sched.num_scheduled_tokens, sched.scheduled_spec_token_ids,
-                            self.block_size, self.device, self.config.sliding_window)
-        attention = PagedAttention(self.kv_cache, batch.attn, self.config.head_dim ** -0.5, self.config.dtype)
+                            self.block_size, self.device, self.config.sliding_window,
+                            native_decode=kernels is not None)
+        attention = PagedAttention(self.kv_cache, batch.attn, self.config.head_dim ** -0.5, self.config.dtype,
+                                   kernels)
         hidden = self.model(batch.input_ids, batch.positions, attention)
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         output = self._sample(batch, hidden)

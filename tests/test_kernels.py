@@ -1,0 +1,162 @@
+"""threefold.kernels (native CPU passes) against plain-torch references, and the
+engine with them on against the engine with them off."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from threefold.env import Env
+from threefold.kernels import cpu_kernels
+from threefold.model.llama import Linear, apply_rope
+from threefold.sample.params import SamplingParams
+from tests.prompts import PROMPTS
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if sys.platform != "linux" or Env.read().attention_backend == "torch":
+        pytest.skip("native kernels are built on Linux unless THREEFOLD_ATTENTION=torch")
+    module = cpu_kernels()
+    assert module is not None, "the native CPU kernels failed to build (see the log warning)"
+    return module
+
+
+def _tolerance(dtype: torch.dtype) -> dict:
+    # fp32: summation order only. bf16: both sides round to bf16 (8 bits of mantissa), the
+    # reference at more intermediate steps, so a few ulps at the outputs' magnitude (~1).
+    return {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
+
+
+def _reference_decode(q, k_cache, v_cache, tables, lens, scale, window):
+    """Per sequence: gather its keys in order, softmax in fp32, weighted sum of values."""
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kv_heads
+    out = torch.empty_like(q)
+    for b, length in enumerate(lens.tolist()):
+        pos = torch.arange(length)
+        slots = tables[b, pos // block_size] * block_size + pos % block_size
+        k = k_cache.reshape(-1, kv_heads, q.shape[2])[slots].float()  # [L, kvh, d]
+        v = v_cache.reshape(-1, kv_heads, q.shape[2])[slots].float()
+        if window:
+            k, v = k[-window:], v[-window:]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [L, H, d]
+        scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale
+        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "window"), [
+    (9, 3, 64, 16, 0),     # SmolLM2's shape
+    (14, 2, 64, 16, 0),    # Qwen2.5-0.5B's grouping
+    (4, 4, 128, 4, 0),     # no GQA, the other specialized head_dim, small blocks
+    (6, 2, 48, 8, 0),      # a head_dim with no specialization (runtime loop)
+    (8, 2, 64, 16, 37),    # sliding window
+])
+def test_paged_decode_attention_matches_reference(kernels, dtype, heads, kv_heads, head_dim, block_size, window):
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.tensor([1, 5, 16, 17, 100, 333, 64], dtype=torch.long)
+    width = -(-int(lens.max()) // block_size) + 2  # padded with a trailing null block, as the runner does
+    num_blocks = len(lens) * width + 1
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks - 1, generator=gen)[: len(lens) * width].view(len(lens), width) + 1
+    tables[:, -1] = 0
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    kernels.paged_decode_attention(out, q, cache[0], cache[1], tables, lens, scale, window)
+    expected = _reference_decode(q, cache[0], cache[1], tables, lens, scale, window)
+    torch.testing.assert_close(out, expected, **_tolerance(dtype))
+
+
+def test_paged_decode_attention_rejects_bad_input(kernels):
+    q = torch.zeros(2, 4, 64)
+    cache = torch.zeros(3, 16, 2, 64)
+    with pytest.raises(RuntimeError, match="int64"):
+        kernels.paged_decode_attention(torch.empty_like(q), q, cache, cache, torch.zeros(2, 1, dtype=torch.int32),
+                                       torch.ones(2, dtype=torch.long), 1.0, 0)
+    with pytest.raises(RuntimeError, match="multiple"):
+        kernels.paged_decode_attention(torch.zeros(2, 3, 64), torch.zeros(2, 3, 64), cache, cache,
+                                       torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long), 1.0, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_torch(kernels, dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 576, generator=gen).to(dtype)
+    residual = torch.randn(37, 576, generator=gen).to(dtype)
+    weight = torch.rand(576, generator=gen).to(dtype) + 0.5
+    expected_residual = x + residual
+    expected = F.rms_norm(expected_residual.float(), (576,), weight.float(), 1e-5)
+    got_x, got_residual = x.clone(), residual.clone()
+    kernels.add_rms_norm(got_x, got_residual, weight, 1e-5, True)
+    assert torch.equal(got_residual, expected_residual)  # the sum rounds exactly as `x + residual`
+    torch.testing.assert_close(got_x.float(), expected, **_tolerance(dtype))
+    alone = x.clone()
+    kernels.add_rms_norm(alone, alone, weight, 1e-5, False)
+    torch.testing.assert_close(alone.float(), F.rms_norm(x.float(), (576,), weight.float(), 1e-5),
+                               **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_and_silu_and_mul_match_torch(kernels, dtype):
+    gen = torch.Generator().manual_seed(2)
+    max_len, half = 64, 32
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), torch.rand(half, generator=gen))
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    qkv = torch.randn(9, 5 * 64 + 64, generator=gen).to(dtype)
+    qk = qkv[:, : 5 * 64].view(9, 5, 64)  # a strided view, as the model hands it over
+    positions = torch.tensor([0, 3, 63, 7, 7, 1, 20, 40, 2])
+    expected = apply_rope(qk.float(), cos[positions].float().unsqueeze(1), sin[positions].float().unsqueeze(1))
+    v_before = qkv[:, 5 * 64:].clone()
+    kernels.rotary_embedding(qk, positions, cos, sin)
+    torch.testing.assert_close(qk.float(), expected, **_tolerance(dtype))
+    assert torch.equal(qkv[:, 5 * 64:], v_before)  # only q/k rotate
+
+    gate_up = torch.randn(11, 2 * 96, generator=gen).to(dtype)
+    out = torch.empty(11, 96, dtype=dtype)
+    kernels.silu_and_mul(out, gate_up)
+    gate, up = gate_up.float().split(96, dim=-1)
+    torch.testing.assert_close(out.float(), F.silu(gate) * up, **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_packed_bf16_linear_is_bit_exact(rows):
+    gen = torch.Generator().manual_seed(3)
+    layer = Linear(576, 960, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(960, 576, generator=gen))
+        layer.bias.copy_(torch.randn(960, generator=gen))
+    x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    expected = F.linear(x, layer.weight, layer.bias)
+    if not layer.pack():
+        pytest.skip("this torch build has no oneDNN linear")
+    assert torch.equal(layer(x), expected)
+
+
+def test_engine_with_kernels_matches_the_torch_path(make_llm, smollm2_fp32, kernels):
+    """The same greedy tokens, with close logprobs, whichever path runs attention and the
+    small ops; decodes of different lengths in one batch exercise the load balancing."""
+    llm = make_llm(max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True)
+    prompts = PROMPTS[:6]
+    runner = llm.engine.core.runner
+    assert runner.kernels is kernels
+    native = llm.generate(prompts, params)
+    try:
+        smollm2_fp32.model.use_kernels(None)
+        runner.kernels = None
+        plain = llm.generate(prompts, params)
+    finally:
+        smollm2_fp32.model.use_kernels(kernels)
+        runner.kernels = kernels
+    for a, b in zip(native, plain):
+        ids = a.outputs[0].token_ids
+        assert ids == b.outputs[0].token_ids
+        ours = [position[t].logprob for t, position in zip(ids, a.outputs[0].logprobs)]
+        theirs = [position[t].logprob for t, position in zip(ids, b.outputs[0].logprobs)]
+        assert ours == pytest.approx(theirs, abs=1e-3)

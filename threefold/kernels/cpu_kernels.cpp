@@ -1,0 +1,315 @@
+// Native CPU kernels for the hot path of a step.
+//
+// paged_decode_attention -- decode attention for CPU: one query token per sequence, K/V read in
+// place from the block pool (no gather copy), GQA, optional sliding window.
+//
+//   out[b, h] = softmax_t(scale * q[b, h] . K[slot(b, t), h / G]) @ V[slot(b, t), h / G]
+//   slot(b, t) = block_table[b, t / block_size] * block_size + t % block_size
+//   t in [max(0, seq_len[b] - window), seq_len[b])
+//
+// Work item = (sequence, kv head): its G query heads share every K/V row it
+// loads. Two passes per item: scores (reads K once), then the weighted sum of
+// V (reads V once); the softmax runs in fp32 in between. Items are spread over
+// torch's own intra-op thread pool (at::parallel_for).
+//
+// add_rms_norm -- residual += x; x = rms_norm(residual) * weight, in one pass per
+// row (vLLM's fused_add_rms_norm): at batch 1 the eager torch version is ~10 ops
+// of a few microseconds each, 61 times a step.
+//
+// rotary_embedding -- HF's rotate_half RoPE, in place on q and k together.
+// silu_and_mul -- silu(gate) * up from the fused gate_up projection.
+// All three compute in fp32 and round once to the storage dtype.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+// bf16 is the top half of an fp32: widen by a shift (vectorizes, unlike a call).
+template <>
+inline float to_float<at::BFloat16>(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// D > 0: head_dim known at compile time (fully unrolled, vectorized without
+// epilogues); D == 0: the runtime `d`.
+template <int D, typename T>
+inline void widen(const T* __restrict src, float* __restrict dst, int64_t d) {
+  const int64_t n = D > 0 ? D : d;
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+template <int D>
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
+  const int64_t n = D > 0 ? D : d;
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];  // vectorized: -ffast-math allows reassociation
+  return sum;
+}
+
+template <int D>
+inline void axpy(float a, const float* __restrict x, float* __restrict acc, int64_t d) {
+  const int64_t n = D > 0 ? D : d;
+  for (int64_t i = 0; i < n; ++i) acc[i] += a * x[i];
+}
+
+template <int D, typename T>
+void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t table_width = block_tables.size(1);
+  // Strides in elements; the cache is [num_blocks, block_size, kv_heads, head_dim], contiguous rows.
+  const int64_t q_seq = q.stride(0), q_head = q.stride(1);
+  const int64_t o_seq = out.stride(0), o_head = out.stride(1);
+  const int64_t kv_block = k_cache.stride(0), kv_token = k_cache.stride(1), kv_head = k_cache.stride(2);
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+
+  // Split the items into equal-cost parts (cost ~ keys read): the runner sorts decodes
+  // by context length, so an even split by count would hand one thread all the long ones.
+  const int64_t num_items = num_seqs * num_kv_heads;
+  std::vector<int64_t> cost_prefix(num_items + 1, 0);
+  for (int64_t item = 0; item < num_items; ++item) {
+    const int64_t len = lens[item / num_kv_heads];
+    const int64_t keys = window > 0 ? std::min(len, window) : len;
+    cost_prefix[item + 1] = cost_prefix[item] + keys + 16;  // + a fixed per-item cost
+  }
+  const int64_t num_parts = std::min<int64_t>(num_items, 8 * at::get_num_threads());
+  std::vector<int64_t> bounds(num_parts + 1, num_items);
+  bounds[0] = 0;
+  for (int64_t part = 1, item = 0; part < num_parts; ++part) {
+    const int64_t target = cost_prefix[num_items] * part / num_parts;
+    while (item < num_items && cost_prefix[item] < target) ++item;
+    bounds[part] = item;
+  }
+
+  at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
+    for (int64_t item = bounds[part_begin]; item < bounds[part_end]; ++item) {
+      const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads;
+      const int64_t len = lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      const int64_t* table = tables + b * table_width;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = q_ptr + b * q_seq + (kvh * group + g) * q_head;
+        for (int64_t i = 0; i < head_dim; ++i) qf[g * head_dim + i] = to_float(src[i]) * fscale;
+      }
+      // body(t, row) for the keys t = 0..n-1 (positions first..len-1), walking the block
+      // table once: no division per row.
+      auto for_each_row = [&](const T* cache, auto&& body) {
+        for (int64_t pos = first; pos < len;) {
+          const int64_t blk = pos / block_size;
+          const int64_t end_in_block = std::min(block_size, len - blk * block_size);
+          const T* base = cache + table[blk] * kv_block + kvh * kv_head;
+          for (int64_t off = pos - blk * block_size; off < end_in_block; ++off, ++pos) {
+            body(pos - first, base + off * kv_token);
+          }
+        }
+      };
+      scores.assign(group * n, 0.f);
+      // Pass 1: scores[g, t] for every key, each K row loaded (and widened) once for the G heads.
+      for_each_row(k_ptr, [&](int64_t t, const T* krow) {
+        widen<D>(krow, row.data(), head_dim);
+        for (int64_t g = 0; g < group; ++g) scores[g * n + t] = dot<D>(qf.data() + g * head_dim, row.data(), head_dim);
+      });
+      // Softmax per head in fp32; the 1 / sum is folded into the output.
+      std::vector<float> inv_sum(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * n;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - mx);  // vectorized (libmvec)
+        for (int64_t t = 0; t < n; ++t) sum += s[t];
+        inv_sum[g] = 1.f / sum;
+      }
+      // Pass 2: acc[g] = sum_t p[g, t] * V[t], each V row loaded once.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for_each_row(v_ptr, [&](int64_t t, const T* vrow) {
+        widen<D>(vrow, row.data(), head_dim);
+        for (int64_t g = 0; g < group; ++g) axpy<D>(scores[g * n + t], row.data(), acc.data() + g * head_dim, head_dim);
+      });
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = out_ptr + b * o_seq + (kvh * group + g) * o_head;
+        for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<T>(acc[g * head_dim + i] * inv_sum[g]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// out, q: [B, H, d]; k_cache, v_cache: [num_blocks, block_size, kv_heads, d] (last dim contiguous);
+// block_tables: [B, width] int64; seq_lens: [B] int64 (>= 1); window <= 0 means no sliding window.
+void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                            at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [B, H, d] of one shape");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "k/v cache must be [N, bs, kvh, d]");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "head_dim of q and cache differ");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 &&
+                  k_cache.strides() == v_cache.strides(),
+              "head_dim must be contiguous and k/v cache strides equal");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  block_tables.is_contiguous() && seq_lens.is_contiguous(),
+              "block_tables and seq_lens must be contiguous int64");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
+              "q, cache and out must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "paged_decode_attention supports float32 and bfloat16, got ", q.scalar_type());
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  switch (q.size(2)) {
+    case 64:
+      return bf16 ? run<64, at::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+                  : run<64, float>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+    case 128:
+      return bf16 ? run<128, at::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+                  : run<128, float>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+    default:
+      return bf16 ? run<0, at::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+                  : run<0, float>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+  }
+}
+
+namespace {
+
+template <typename T>
+void add_rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                       bool add) {
+  const int64_t rows = x.size(0), width = x.size(1);
+  T* x_ptr = x.data_ptr<T>();
+  T* r_ptr = residual.data_ptr<T>();
+  const T* w_ptr = weight.data_ptr<T>();
+  const int64_t x_stride = x.stride(0), r_stride = residual.stride(0);
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(width);
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x_ptr + r * x_stride;
+      T* rr = r_ptr + r * r_stride;
+      float sum = 0.f;
+      for (int64_t i = 0; i < width; ++i) {
+        // The sum is rounded to the storage dtype first, as `x + residual` would be.
+        const T rounded = add ? static_cast<T>(to_float(xr[i]) + to_float(rr[i])) : xr[i];
+        if (add) rr[i] = rounded;
+        h[i] = to_float(rounded);
+        sum += h[i] * h[i];
+      }
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + feps);
+      for (int64_t i = 0; i < width; ++i) xr[i] = static_cast<T>(h[i] * inv * to_float(w_ptr[i]));
+    }
+  });
+}
+
+}  // namespace
+
+// x, residual: [T, H] (rows contiguous); weight: [H]. add: residual += x first, then
+// x = rms_norm(residual) * weight; otherwise x = rms_norm(x) * weight. In place.
+void add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps, bool add) {
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "add_rms_norm: x and residual [T, H], weight [H]");
+  TORCH_CHECK(x.stride(1) == 1 && residual.stride(1) == 1 && weight.is_contiguous(), "rows must be contiguous");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type(),
+              "x, residual and weight must share a dtype");
+  if (x.scalar_type() == at::kBFloat16) return add_rms_norm_impl<at::BFloat16>(x, residual, weight, eps, add);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "add_rms_norm supports float32 and bfloat16");
+  add_rms_norm_impl<float>(x, residual, weight, eps, add);
+}
+
+namespace {
+
+template <typename T>
+void rotary_impl(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  T* x_ptr = x.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const T* cos_ptr = cos.data_ptr<T>();
+  const T* sin_ptr = sin.data_ptr<T>();
+  const int64_t t_stride = x.stride(0), h_stride = x.stride(1), table_stride = cos.stride(0);
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(half), s(half);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = 0; i < half; ++i) {
+        c[i] = to_float(cos_ptr[pos[t] * table_stride + i]);
+        s[i] = to_float(sin_ptr[pos[t] * table_stride + i]);
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x1 = x_ptr + t * t_stride + h * h_stride;
+        T* x2 = x1 + half;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = to_float(x1[i]), b = to_float(x2[i]);
+          x1[i] = static_cast<T>(a * c[i] - b * s[i]);
+          x2[i] = static_cast<T>(b * c[i] + a * s[i]);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& out, const at::Tensor& gate_up) {
+  const int64_t tokens = out.size(0), width = out.size(1);
+  const T* in = gate_up.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  const int64_t in_stride = gate_up.stride(0), out_stride = out.stride(0);
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* gate = in + t * in_stride;
+      const T* up = gate + width;
+      T* o = dst + t * out_stride;
+      for (int64_t i = 0; i < width; ++i) {
+        const float g = to_float(gate[i]);
+        o[i] = static_cast<T>(g / (1.f + std::exp(-g)) * to_float(up[i]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x: [T, heads, head_dim] (head_dim contiguous, any token/head strides), rotated in place at
+// positions [T] int64 with cos/sin tables [max_len, head_dim / 2] of x's dtype.
+void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rotary_embedding: x [T, heads, even d]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.size(0) == x.size(0),
+              "positions must be contiguous int64 [T]");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(1) == x.size(2) / 2 && cos.stride(1) == 1 &&
+                  cos.strides() == sin.strides(),
+              "cos/sin must be [max_len, head_dim / 2]");
+  TORCH_CHECK(x.scalar_type() == cos.scalar_type() && x.scalar_type() == sin.scalar_type(), "dtypes differ");
+  if (x.scalar_type() == at::kBFloat16) return rotary_impl<at::BFloat16>(x, positions, cos, sin);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "rotary_embedding supports float32 and bfloat16");
+  rotary_impl<float>(x, positions, cos, sin);
+}
+
+// out: [T, I]; gate_up: [T, 2 I] (rows contiguous) -> out = silu(gate_up[:, :I]) * gate_up[:, I:].
+void silu_and_mul(at::Tensor out, at::Tensor gate_up) {
+  TORCH_CHECK(out.dim() == 2 && gate_up.dim() == 2 && gate_up.size(0) == out.size(0) &&
+                  gate_up.size(1) == 2 * out.size(1) && out.stride(1) == 1 && gate_up.stride(1) == 1,
+              "silu_and_mul: out [T, I], gate_up [T, 2I]");
+  TORCH_CHECK(out.scalar_type() == gate_up.scalar_type(), "dtypes differ");
+  if (out.scalar_type() == at::kBFloat16) return silu_and_mul_impl<at::BFloat16>(out, gate_up);
+  TORCH_CHECK(out.scalar_type() == at::kFloat, "silu_and_mul supports float32 and bfloat16");
+  silu_and_mul_impl<float>(out, gate_up);
+}
