@@ -90,10 +90,10 @@ class PagedAttention:
 
     def _decode(self, layer_idx: int, q: torch.Tensor, group: DecodeGroup,
                 mask: torch.Tensor | None) -> torch.Tensor:
-        views = self.cache.dense_views(layer_idx) if self.kernels is not None else None
-        if views is not None:
+        if self.kernels is not None:  # the runner passes kernels only over a dense cache
+            k_cache, v_cache = self.cache.dense_views(layer_idx)
             out = torch.empty_like(q)
-            self.kernels.paged_decode_attention(out, q, views[0], views[1], group.block_table, group.seq_lens,
+            self.kernels.paged_decode_attention(out, q, k_cache, v_cache, group.block_table, group.seq_lens,
                                                 self.scale, self.meta.sliding_window or 0)
             return out
         assert mask is not None, "the torch decode path needs the group's mask"

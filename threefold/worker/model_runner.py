@@ -45,6 +45,8 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = PagedKVCache(self.codec, self.config.num_layers, num_blocks, self.block_size, self.device)
+        if self.kv_cache.dense_views(0) is None:  # the kernel attends over dense K/V only
+            self.kernels = None
 
     # ---- per-step state ----------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -71,12 +73,11 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput({})
         states = [self.states[rid] for rid in sched.num_scheduled_tokens]
-        kernels = self.kernels if self.kv_cache.dense_views(0) is not None else None
         batch = build_batch(states, sched.num_scheduled_tokens, sched.scheduled_spec_token_ids,
                             self.block_size, self.device, self.config.sliding_window,
-                            native_decode=kernels is not None)
+                            native_decode=self.kernels is not None)
         attention = PagedAttention(self.kv_cache, batch.attn, self.config.head_dim ** -0.5, self.config.dtype,
-                                   kernels)
+                                   self.kernels)
         hidden = self.model(batch.input_ids, batch.positions, attention)
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         output = self._sample(batch, hidden)
