@@ -49,15 +49,29 @@ def _reference_decode(q, k_cache, v_cache, tables, lens, scale, window):
     return out
 
 
+@pytest.fixture(params=["amx", "vector"])
+def attention_path(request, kernels):
+    """bf16 decode attention runs on AMX tiles where the CPU has them, else on AVX vectors."""
+    if kernels.set_amx(request.param == "amx") != (request.param == "amx"):
+        pytest.skip("this CPU (or OS) gives no AMX tiles")
+    yield request.param
+    kernels.set_amx(True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "window"), [
     (9, 3, 64, 16, 0),     # SmolLM2's shape
     (14, 2, 64, 16, 0),    # Qwen2.5-0.5B's grouping
     (4, 4, 128, 4, 0),     # no GQA, the other specialized head_dim, small blocks
-    (6, 2, 48, 8, 0),      # a head_dim with no specialization (runtime loop)
-    (8, 2, 64, 16, 37),    # sliding window
+    (6, 2, 48, 8, 0),      # a head_dim with no specialization (runtime loop; no AMX path)
+    (8, 2, 64, 16, 37),    # sliding window: tiles start mid-block
+    (16, 1, 128, 32, 0),   # the largest group one AMX tile holds; blocks of two tiles
+    (17, 1, 64, 16, 0),    # a larger group: the vector path even where AMX is on
 ])
-def test_paged_decode_attention_matches_reference(kernels, dtype, heads, kv_heads, head_dim, block_size, window):
+def test_paged_decode_attention_matches_reference(kernels, attention_path, dtype, heads, kv_heads, head_dim,
+                                                  block_size, window):
+    if dtype == torch.float32 and attention_path == "amx":
+        pytest.skip("AMX tiles take bf16 only; float32 always runs on vectors")
     gen = torch.Generator().manual_seed(0)
     lens = torch.tensor([1, 5, 16, 17, 100, 333, 64], dtype=torch.long)
     width = -(-int(lens.max()) // block_size) + 2  # padded with a trailing null block, as the runner does

@@ -23,7 +23,7 @@ class LLM:
     """
 
     def __init__(self, model: str = "smollm2-135m", dtype: str = "auto", max_model_len: int | None = None,
-                 kv_cache_memory: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 kv_cache_memory: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, seed: int = 0, block_size: int = 16,
                  device: str = "cpu") -> None:
         args = EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,

@@ -296,6 +296,8 @@ class CausalLM(nn.Module):
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """[N, hidden] -> [N, vocab] float32 (matmul in the weight dtype, as HF does)."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: Tensor, float32: bool = True) -> Tensor:
+        """[N, hidden] -> [N, vocab] (matmul in the weight dtype, as HF does), upcast to float32
+        unless float32=False: the sampler upcasts only where it edits or normalizes them."""
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits

@@ -82,28 +82,28 @@ class PagedAttention:
         out = torch.empty_like(q)
         for group, mask in zip(meta.decode_groups, self.decode_masks):
             span = slice(group.query_start, group.query_start + group.num_seqs)
-            out[span] = self._decode(layer_idx, q[span], group, mask)
+            self._decode(layer_idx, q[span], group, mask, out[span])
         for chunk in meta.prefills:
             span = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[span] = self._prefill(layer_idx, chunk, q[span], k[span], v[span])
         return out
 
     def _decode(self, layer_idx: int, q: torch.Tensor, group: DecodeGroup,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                mask: torch.Tensor | None, out: torch.Tensor) -> None:
+        """Attention for one decode group, written into `out` (a view of the step's output)."""
         if self.kernels is not None:  # the runner passes kernels only over a dense cache
             k_cache, v_cache = self.cache.dense_views(layer_idx)
-            out = torch.empty_like(q)
             self.kernels.paged_decode_attention(out, q, k_cache, v_cache, group.block_table, group.seq_lens,
                                                 self.scale, self.meta.sliding_window or 0)
-            return out
+            return
         assert mask is not None, "the torch decode path needs the group's mask"
         keys, values = self.cache.read(layer_idx, group.block_table)  # [B, kvh, L, d] views
         # SDPA reads the strided views directly and does GQA itself: ~2x faster on CPU
         # than explicit matmul + softmax over copies (measured).
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values,
-                                             attn_mask=mask,
-                                             scale=self.scale, enable_gqa=True)  # [B, H, 1, d]
-        return out.squeeze(2)
+        attn = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values,
+                                              attn_mask=mask,
+                                              scale=self.scale, enable_gqa=True)  # [B, H, 1, d]
+        out.copy_(attn.squeeze(2))
 
     def _prefill(self, layer_idx: int, chunk: PrefillChunk, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
