@@ -152,6 +152,51 @@ def test_packed_bf16_linear_is_bit_exact(rows):
     assert torch.equal(layer(x), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "out_features", "in_features", "bias"), [
+    (1, 960, 576, True),    # SmolLM2's qkv at batch 1
+    (2, 576, 1536, False),  # its down projection at batch 2
+    (1, 35, 50, True),      # a partial 16-row block and a partial K chunk
+    (3, 17, 96, False),     # more rows than the model routes here: still right
+])
+def test_linear_small_matches_float64(kernels, dtype, rows, out_features, in_features, bias):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(rows, 2 * in_features, generator=gen).to(dtype)[:, :in_features]  # strided rows
+    w = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
+    out = torch.full((rows, out_features), float("nan"), dtype=dtype)
+    assert kernels.linear_small(out, x, w, b)
+    expected = F.linear(x.double(), w.double(), None if b is None else b.double())
+    # Each side sums in fp32 in its own order, then rounds once to the dtype, as F.linear does.
+    torch.testing.assert_close(out.double(), expected, **({"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32
+                                                          else {"atol": 0.25, "rtol": 8e-3}))
+    assert not kernels.linear_small(out, x, w.t(), b)  # a transposed (strided) weight: declined, not misread
+    assert not kernels.linear_small(out[:, :-1], x, w, b)  # shapes that disagree: declined
+
+
+def test_linear_module_routes_few_rows_to_the_kernel(kernels):
+    gen = torch.Generator().manual_seed(5)
+    layer = Linear(576, 960, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(960, 576, generator=gen))
+        layer.bias.copy_(torch.randn(960, generator=gen))
+    x = torch.randn(4, 576, generator=gen).to(torch.bfloat16)
+    expected = F.linear(x, layer.weight, layer.bias)
+    layer.pack()
+    layer.kernels = kernels
+    calls = []
+    real = kernels.linear_small
+
+    class Spy:
+        def linear_small(self, *args):
+            calls.append(args[1].shape[0])
+            return real(*args)
+    layer.kernels = Spy()
+    torch.testing.assert_close(layer(x[:1]), expected[:1], atol=0.25, rtol=8e-3)
+    torch.testing.assert_close(layer(x), expected, atol=0.25, rtol=8e-3)
+    assert calls == [1]  # one row took the kernel; four rows took oneDNN's packed GEMM
+
+
 def test_engine_with_kernels_matches_the_torch_path(make_llm, smollm2_fp32, kernels):
     """The same greedy tokens, with close logprobs, whichever path runs attention and the
     small ops; decodes of different lengths in one batch exercise the load balancing."""

@@ -38,9 +38,17 @@ class Linear(nn.Linear):
     the packed call computes the same values (checked bit-exact in the tests)
     1.3-1.5x faster at every batch size on the 2-core Xeon (microbenchmark with
     SmolLM2's 30 layers of weights, cold). fp32 keeps F.linear (MKL).
+
+    With `kernels` set, a call of at most SMALL_ROWS rows (decode at batch 1-2)
+    takes threefold.kernels' linear_small instead: a plain prefetched stream over
+    the row-major weight, 1.4x oneDNN's GEMV at one row (SmolLM2's 30 layers,
+    cold); oneDNN wins from a few rows up, where each weight is reused. That
+    needs the plain weight, so with kernels both forms are kept.
     """
 
+    SMALL_ROWS = 2
     packed: Tensor | None = None
+    kernels: ModuleType | None = None
 
     def pack(self) -> bool:
         """Prepack a bf16 CPU weight; False (nothing changes) where oneDNN can't take it."""
@@ -54,6 +62,10 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.kernels is not None and x.dim() == 2 and x.shape[0] <= self.SMALL_ROWS:
+            out = x.new_empty(x.shape[0], self.out_features)
+            if self.kernels.linear_small(out, x, self.weight, self.bias):
+                return out
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -264,20 +276,25 @@ class CausalLM(nn.Module):
         """Share the embedding matrix with the LM head (tie_word_embeddings)."""
         self.lm_head.weight = self.embed_tokens.weight
 
-    def pack_weights(self) -> None:
-        """Prepack every bf16 Linear for oneDNN (see `Linear`); a packed matrix no longer
-        needed in its plain form (anything but the tied LM head) moves to the meta device,
-        so the weights are not held twice."""
+    def pack_weights(self, keep_plain: bool = False) -> None:
+        """Prepack every bf16 Linear for oneDNN (see `Linear`). Unless keep_plain (the
+        few-row kernel reads the plain form), a packed matrix no longer needed in its plain
+        form (anything but the tied LM head) moves to the meta device, so the weights are
+        not held twice."""
         for module in self.modules():
-            if isinstance(module, Linear) and module.pack() and module.weight is not self.embed_tokens.weight:
+            if (isinstance(module, Linear) and module.pack() and not keep_plain
+                    and module.weight is not self.embed_tokens.weight):
                 module.weight = nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
 
     def use_kernels(self, kernels: ModuleType | None) -> None:
-        """Run RoPE, the fused add + RMSNorms and silu-and-mul through threefold.kernels'
-        native passes (None: the torch ops, which compute the same up to rounding)."""
+        """Run RoPE, the fused add + RMSNorms, silu-and-mul and few-row linears through
+        threefold.kernels' native passes (None: the torch ops, which compute the same up
+        to rounding)."""
         self.kernels = kernels
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
+                module.kernels = kernels
+            elif isinstance(module, Linear) and module.weight.device.type != "meta":
                 module.kernels = kernels
 
     def init_rope(self, max_len: int) -> None:

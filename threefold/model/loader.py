@@ -84,9 +84,9 @@ def build_model(config: ModelArchConfig, source: TensorSource, max_len: int, dev
         model.tie_weights()
     model.requires_grad_(False)
     model.eval().to(device)
-    model.pack_weights()
-    if torch.device(device).type == "cpu":
-        model.use_kernels(cpu_kernels())
+    kernels = cpu_kernels() if torch.device(device).type == "cpu" else None
+    model.pack_weights(keep_plain=kernels is not None)
+    model.use_kernels(kernels)
     model.init_rope(max_len)
     return model
 
