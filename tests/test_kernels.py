@@ -13,6 +13,7 @@ from threefold.env import Env
 from threefold.kernels import cpu_kernels
 from threefold.model.llama import Linear, apply_rope
 from threefold.sample.params import SamplingParams
+from threefold.sample.sampler import Sampler, SamplingMetadata
 from tests.prompts import PROMPTS
 
 
@@ -195,6 +196,24 @@ def test_linear_module_routes_few_rows_to_the_kernel(kernels):
     torch.testing.assert_close(layer(x[:1]), expected[:1], atol=0.25, rtol=8e-3)
     torch.testing.assert_close(layer(x), expected, atol=0.25, rtol=8e-3)
     assert calls == [1]  # one row took the kernel; four rows took oneDNN's packed GEMM
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_matches_torch_argmax(kernels, dtype):
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(9, 49152 + 5, generator=gen).to(dtype)  # a partial 16-lane tail
+    logits[0, [7, 9000]] = 100.0      # a tie: the first index
+    logits[1, -1] = 100.0             # the max in the tail
+    logits[2, [77, 99]] = float("nan")  # a NaN wins, as in torch
+    logits[3] = float("-inf")
+    logits[4] = 0.0
+    assert torch.equal(kernels.argmax_rows(logits), logits.argmax(-1))
+    assert kernels.argmax_rows(logits)[:5].tolist() == [7, 49156, 77, 0, 0]
+    short = torch.randn(5, 37, generator=gen).to(dtype)
+    assert torch.equal(kernels.argmax_rows(short), short.argmax(-1))
+    greedy = SamplingMetadata.build([SamplingParams(temperature=0.0)] * 9, [[1]] * 9, [[]] * 9, {}, [2],
+                                    logits.shape[-1], torch.device("cpu"))
+    assert torch.equal(Sampler(kernels)(logits, greedy).sampled_token_ids, logits.argmax(-1))
 
 
 def test_engine_with_kernels_matches_the_torch_path(make_llm, smollm2_fp32, kernels):

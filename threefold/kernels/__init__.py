@@ -26,7 +26,7 @@ from threefold.env import Env
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-_FUNCTIONS = ["paged_decode_attention", "add_rms_norm", "rotary_embedding", "silu_and_mul", "set_amx", "linear_small"]
+_FUNCTIONS = ["paged_decode_attention", "add_rms_norm", "rotary_embedding", "silu_and_mul", "set_amx", "linear_small", "argmax_rows"]
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 """-fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers (without it, one thread);
 the extension's libgomp.so.1 resolves to the copy torch has already loaded. -ffast-math lets

