@@ -166,7 +166,9 @@ def test_linear_small_matches_float64(kernels, dtype, rows, out_features, in_fea
     w = torch.randn(out_features, in_features, generator=gen).to(dtype)
     b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
     out = torch.full((rows, out_features), float("nan"), dtype=dtype)
-    assert kernels.linear_small(out, x, w, b)
+    if not kernels.linear_small(out, x, w, b):
+        assert torch.isnan(out).all()  # declined, nothing written: Linear falls back to oneDNN/MKL
+        pytest.skip("this CPU has no AVX-512: the few-row linear is not built")
     expected = F.linear(x.double(), w.double(), None if b is None else b.double())
     # Each side sums in fp32 in its own order, then rounds once to the dtype, as F.linear does.
     torch.testing.assert_close(out.double(), expected, **({"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32

@@ -740,11 +740,17 @@ int64_t row_argmax(const T* row, int64_t n) {
   }
   return 0;
 #else
+  // -ffast-math lets std::isnan fold to false: test the bits.
+  auto is_nan = [](float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    return (bits & 0x7fffffffu) > 0x7f800000u;
+  };
   int64_t arg = 0;
   float best = to_float(row[0]);
-  for (int64_t i = 1; i < n && !std::isnan(best); ++i) {
+  for (int64_t i = 1; i < n && !is_nan(best); ++i) {
     const float v = to_float(row[i]);
-    if (v > best || std::isnan(v)) best = v, arg = i;
+    if (is_nan(v) || v > best) best = v, arg = i;
   }
   return arg;
 #endif
