@@ -139,15 +139,20 @@ def test_rotary_and_silu_and_mul_match_torch(kernels, dtype):
     torch.testing.assert_close(out.float(), F.silu(gate) * up, **_tolerance(dtype))
 
 
-@pytest.mark.parametrize("rows", [1, 5, 64])
-def test_packed_bf16_linear_is_bit_exact(rows):
-    gen = torch.Generator().manual_seed(3)
+def _bf16_linear(seed: int, rows: int) -> tuple[Linear, torch.Tensor, torch.Tensor]:
+    """A [576 -> 960] bf16 Linear with bias (SmolLM2's qkv), an input of `rows`, and F.linear's output."""
+    gen = torch.Generator().manual_seed(seed)
     layer = Linear(576, 960, bias=True).to(torch.bfloat16)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(960, 576, generator=gen))
         layer.bias.copy_(torch.randn(960, generator=gen))
     x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
-    expected = F.linear(x, layer.weight, layer.bias)
+    return layer, x, F.linear(x, layer.weight, layer.bias)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_packed_bf16_linear_is_bit_exact(rows):
+    layer, x, expected = _bf16_linear(3, rows)
     if not layer.pack():
         pytest.skip("this torch build has no oneDNN linear")
     assert torch.equal(layer(x), expected)
@@ -178,15 +183,8 @@ def test_linear_small_matches_float64(kernels, dtype, rows, out_features, in_fea
 
 
 def test_linear_module_routes_few_rows_to_the_kernel(kernels):
-    gen = torch.Generator().manual_seed(5)
-    layer = Linear(576, 960, bias=True).to(torch.bfloat16)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(960, 576, generator=gen))
-        layer.bias.copy_(torch.randn(960, generator=gen))
-    x = torch.randn(4, 576, generator=gen).to(torch.bfloat16)
-    expected = F.linear(x, layer.weight, layer.bias)
+    layer, x, expected = _bf16_linear(5, 4)
     layer.pack()
-    layer.kernels = kernels
     calls = []
     real = kernels.linear_small
 

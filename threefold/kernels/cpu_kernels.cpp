@@ -73,33 +73,41 @@ inline void axpy(float a, const float* __restrict x, float* __restrict acc, int6
   for (int64_t i = 0; i < n; ++i) acc[i] += a * x[i];
 }
 
-template <int D, typename T>
-void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window) {
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t table_width = block_tables.size(1);
-  // Strides in elements; the cache is [num_blocks, block_size, kv_heads, head_dim], contiguous rows.
-  const int64_t q_seq = q.stride(0), q_head = q.stride(1);
-  const int64_t o_seq = out.stride(0), o_head = out.stride(1);
-  const int64_t kv_block = k_cache.stride(0), kv_token = k_cache.stride(1), kv_head = k_cache.stride(2);
-  const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
-  T* out_ptr = out.data_ptr<T>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const float fscale = static_cast<float>(scale);
+// One decode-attention call's operands as raw pointers and element strides; the cache is
+// [num_blocks, block_size, kv_heads, head_dim] with contiguous rows.
+template <typename T>
+struct DecodeArgs {
+  int64_t num_seqs, num_heads, head_dim, block_size, num_kv_heads, group, table_width;
+  int64_t q_seq, q_head, o_seq, o_head, kv_block, kv_token, kv_head;
+  const T* q_ptr;
+  const T* k_ptr;
+  const T* v_ptr;
+  T* out_ptr;
+  const int64_t* tables;
+  const int64_t* lens;
+  float fscale;
 
-  // Split the items into equal-cost parts (cost ~ keys read): the runner sorts decodes
-  // by context length, so an even split by count would hand one thread all the long ones.
+  DecodeArgs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale)
+      : num_seqs(q.size(0)), num_heads(q.size(1)), head_dim(q.size(2)), block_size(k_cache.size(1)),
+        num_kv_heads(k_cache.size(2)), group(num_heads / num_kv_heads), table_width(block_tables.size(1)),
+        q_seq(q.stride(0)), q_head(q.stride(1)), o_seq(out.stride(0)), o_head(out.stride(1)),
+        kv_block(k_cache.stride(0)), kv_token(k_cache.stride(1)), kv_head(k_cache.stride(2)),
+        q_ptr(q.data_ptr<T>()), k_ptr(k_cache.data_ptr<T>()), v_ptr(v_cache.data_ptr<T>()),
+        out_ptr(out.data_ptr<T>()), tables(block_tables.data_ptr<int64_t>()), lens(seq_lens.data_ptr<int64_t>()),
+        fscale(static_cast<float>(scale)) {}
+};
+
+// The work items (sequence, kv head) cut into up to 8 parts per thread of equal cost (keys
+// read plus a fixed per-item cost); returns the parts' item bounds. The runner sorts decodes
+// by context length, so an even split by count would hand one thread all the long ones.
+inline std::vector<int64_t> split_by_cost(const int64_t* lens, int64_t num_seqs, int64_t num_kv_heads,
+                                          int64_t window, int64_t item_cost) {
   const int64_t num_items = num_seqs * num_kv_heads;
   std::vector<int64_t> cost_prefix(num_items + 1, 0);
   for (int64_t item = 0; item < num_items; ++item) {
     const int64_t len = lens[item / num_kv_heads];
-    const int64_t keys = window > 0 ? std::min(len, window) : len;
-    cost_prefix[item + 1] = cost_prefix[item] + keys + 16;  // + a fixed per-item cost
+    cost_prefix[item + 1] = cost_prefix[item] + (window > 0 ? std::min(len, window) : len) + item_cost;
   }
   const int64_t num_parts = std::min<int64_t>(num_items, 8 * at::get_num_threads());
   std::vector<int64_t> bounds(num_parts + 1, num_items);
@@ -109,40 +117,49 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
     while (item < num_items && cost_prefix[item] < target) ++item;
     bounds[part] = item;
   }
+  return bounds;
+}
+
+template <int D, typename T>
+void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window) {
+  const DecodeArgs<T> a(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+  const std::vector<int64_t> bounds = split_by_cost(a.lens, a.num_seqs, a.num_kv_heads, window, 16);
+  const int64_t num_parts = static_cast<int64_t>(bounds.size()) - 1;
 
   at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
+    std::vector<float> qf(a.group * a.head_dim), acc(a.group * a.head_dim), row(a.head_dim), scores;
     for (int64_t item = bounds[part_begin]; item < bounds[part_end]; ++item) {
-      const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads;
-      const int64_t len = lens[b];
+      const int64_t b = item / a.num_kv_heads, kvh = item % a.num_kv_heads;
+      const int64_t len = a.lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
-      const int64_t* table = tables + b * table_width;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = q_ptr + b * q_seq + (kvh * group + g) * q_head;
-        for (int64_t i = 0; i < head_dim; ++i) qf[g * head_dim + i] = to_float(src[i]) * fscale;
+      const int64_t* table = a.tables + b * a.table_width;
+      for (int64_t g = 0; g < a.group; ++g) {
+        const T* src = a.q_ptr + b * a.q_seq + (kvh * a.group + g) * a.q_head;
+        for (int64_t i = 0; i < a.head_dim; ++i) qf[g * a.head_dim + i] = to_float(src[i]) * a.fscale;
       }
       // body(t, row) for the keys t = 0..n-1 (positions first..len-1), walking the block
       // table once: no division per row.
       auto for_each_row = [&](const T* cache, auto&& body) {
         for (int64_t pos = first; pos < len;) {
-          const int64_t blk = pos / block_size;
-          const int64_t end_in_block = std::min(block_size, len - blk * block_size);
-          const T* base = cache + table[blk] * kv_block + kvh * kv_head;
-          for (int64_t off = pos - blk * block_size; off < end_in_block; ++off, ++pos) {
-            body(pos - first, base + off * kv_token);
+          const int64_t blk = pos / a.block_size;
+          const int64_t end_in_block = std::min(a.block_size, len - blk * a.block_size);
+          const T* base = cache + table[blk] * a.kv_block + kvh * a.kv_head;
+          for (int64_t off = pos - blk * a.block_size; off < end_in_block; ++off, ++pos) {
+            body(pos - first, base + off * a.kv_token);
           }
         }
       };
-      scores.assign(group * n, 0.f);
+      scores.assign(a.group * n, 0.f);
       // Pass 1: scores[g, t] for every key, each K row loaded (and widened) once for the G heads.
-      for_each_row(k_ptr, [&](int64_t t, const T* krow) {
-        widen<D>(krow, row.data(), head_dim);
-        for (int64_t g = 0; g < group; ++g) scores[g * n + t] = dot<D>(qf.data() + g * head_dim, row.data(), head_dim);
+      for_each_row(a.k_ptr, [&](int64_t t, const T* krow) {
+        widen<D>(krow, row.data(), a.head_dim);
+        for (int64_t g = 0; g < a.group; ++g) scores[g * n + t] = dot<D>(qf.data() + g * a.head_dim, row.data(), a.head_dim);
       });
       // Softmax per head in fp32; the 1 / sum is folded into the output.
-      std::vector<float> inv_sum(group);
-      for (int64_t g = 0; g < group; ++g) {
+      std::vector<float> inv_sum(a.group);
+      for (int64_t g = 0; g < a.group; ++g) {
         float* s = scores.data() + g * n;
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
@@ -153,13 +170,13 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
       }
       // Pass 2: acc[g] = sum_t p[g, t] * V[t], each V row loaded once.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_row(v_ptr, [&](int64_t t, const T* vrow) {
-        widen<D>(vrow, row.data(), head_dim);
-        for (int64_t g = 0; g < group; ++g) axpy<D>(scores[g * n + t], row.data(), acc.data() + g * head_dim, head_dim);
+      for_each_row(a.v_ptr, [&](int64_t t, const T* vrow) {
+        widen<D>(vrow, row.data(), a.head_dim);
+        for (int64_t g = 0; g < a.group; ++g) axpy<D>(scores[g * n + t], row.data(), acc.data() + g * a.head_dim, a.head_dim);
       });
-      for (int64_t g = 0; g < group; ++g) {
-        T* dst = out_ptr + b * o_seq + (kvh * group + g) * o_head;
-        for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<T>(acc[g * head_dim + i] * inv_sum[g]);
+      for (int64_t g = 0; g < a.group; ++g) {
+        T* dst = a.out_ptr + b * a.o_seq + (kvh * a.group + g) * a.o_head;
+        for (int64_t i = 0; i < a.head_dim; ++i) dst[i] = static_cast<T>(acc[g * a.head_dim + i] * inv_sum[g]);
       }
     }
   });
@@ -243,35 +260,10 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
          const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window) {
   using T = at::BFloat16;
   static_assert(D % 64 == 0, "head_dim must be a multiple of 64");
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int group = static_cast<int>(num_heads / num_kv_heads);
-  const int64_t table_width = block_tables.size(1);
-  const int64_t q_seq = q.stride(0), q_head = q.stride(1);
-  const int64_t o_seq = out.stride(0), o_head = out.stride(1);
-  const int64_t kv_block = k_cache.stride(0), kv_token = k_cache.stride(1), kv_head = k_cache.stride(2);
-  const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
-  T* out_ptr = out.data_ptr<T>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const float fscale = static_cast<float>(scale);
-
-  const int64_t num_items = num_seqs * num_kv_heads;
-  std::vector<int64_t> cost_prefix(num_items + 1, 0);
-  for (int64_t item = 0; item < num_items; ++item) {
-    const int64_t len = lens[item / num_kv_heads];
-    cost_prefix[item + 1] = cost_prefix[item] + (window > 0 ? std::min(len, window) : len) + 64;
-  }
-  const int64_t num_parts = std::min<int64_t>(num_items, 8 * at::get_num_threads());
-  std::vector<int64_t> bounds(num_parts + 1, num_items);
-  bounds[0] = 0;
-  for (int64_t part = 1, item = 0; part < num_parts; ++part) {
-    const int64_t target = cost_prefix[num_items] * part / num_parts;
-    while (item < num_items && cost_prefix[item] < target) ++item;
-    bounds[part] = item;
-  }
+  const DecodeArgs<T> a(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+  const int group = static_cast<int>(a.group);
+  const std::vector<int64_t> bounds = split_by_cost(a.lens, a.num_seqs, a.num_kv_heads, window, 64);
+  const int64_t num_parts = static_cast<int64_t>(bounds.size()) - 1;
 
   TileConfig cfg;
   auto shape = [&](int tile, int rows, int colsb) {
@@ -298,26 +290,26 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
     const __m512i zero = _mm512_setzero_si512();
 
     for (int64_t item = bounds[part_begin]; item < bounds[part_end]; ++item) {
-      const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads;
-      const int64_t len = lens[b];
+      const int64_t b = item / a.num_kv_heads, kvh = item % a.num_kv_heads;
+      const int64_t len = a.lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
       const int64_t n32 = (n + 31) / 32 * 32;
-      const int64_t* table = tables + b * table_width;
+      const int64_t* table = a.tables + b * a.table_width;
       krows.resize(n);
       vrows.resize(n);
       for (int64_t pos = first; pos < len;) {  // one walk of the block table, no division per row
-        const int64_t blk = pos / block_size;
-        const int64_t end_in_block = std::min(block_size, len - blk * block_size);
-        const int64_t base = table[blk] * kv_block + kvh * kv_head;
-        for (int64_t off = pos - blk * block_size; off < end_in_block; ++off, ++pos) {
-          krows[pos - first] = k_ptr + base + off * kv_token;
-          vrows[pos - first] = v_ptr + base + off * kv_token;
+        const int64_t blk = pos / a.block_size;
+        const int64_t end_in_block = std::min(a.block_size, len - blk * a.block_size);
+        const int64_t base = table[blk] * a.kv_block + kvh * a.kv_head;
+        for (int64_t off = pos - blk * a.block_size; off < end_in_block; ++off, ++pos) {
+          krows[pos - first] = a.k_ptr + base + off * a.kv_token;
+          vrows[pos - first] = a.v_ptr + base + off * a.kv_token;
         }
       }
       // Q^T as dword pairs: qt[c][r][g] = (q[g][32c + 2r], q[g][32c + 2r + 1]).
       for (int g = 0; g < group; ++g) {
-        const uint32_t* src = reinterpret_cast<const uint32_t*>(q_ptr + b * q_seq + (kvh * group + g) * q_head);
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(a.q_ptr + b * a.q_seq + (kvh * group + g) * a.q_head);
         for (int c = 0; c < D / 32; ++c)
           for (int r = 0; r < 16; ++r) qt[c][r][g] = src[c * 16 + r];
       }
@@ -329,8 +321,8 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
       for (int64_t t0 = 0; t0 < n; t0 += 16) {
         const int64_t rows = std::min<int64_t>(16, n - t0);
         const T* src = krows[t0];
-        int64_t stride = kv_token * 2;
-        if (rows < 16 || krows[t0 + 15] != src + 15 * kv_token) {  // rows not evenly spaced: stage
+        int64_t stride = a.kv_token * 2;
+        if (rows < 16 || krows[t0 + 15] != src + 15 * a.kv_token) {  // rows not evenly spaced: stage
           for (int64_t j = 0; j < 16; ++j) {
             if (j < rows) std::memcpy(kst[j], krows[t0 + j], D * 2);
             else std::memset(kst[j], 0, D * 2);
@@ -350,7 +342,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
         }
         TILE_STORE(kC1, s16, 64);
         for (int g = 0; g < group; ++g)
-          for (int64_t j = 0; j < rows; ++j) scores[g * n32 + t0 + j] = s16[j][g] * fscale;
+          for (int64_t j = 0; j < rows; ++j) scores[g * n32 + t0 + j] = s16[j][g] * a.fscale;
       }
       for (int64_t j = 0; j < std::min<int64_t>(64, n); ++j)
         for (int l = 0; l < D * 2; l += 64) _mm_prefetch(reinterpret_cast<const char*>(vrows[j]) + l, _MM_HINT_T2);
@@ -433,7 +425,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
         }
       }
       for (int g = 0; g < group; ++g) {
-        T* dst = out_ptr + b * o_seq + (kvh * group + g) * o_head;
+        T* dst = a.out_ptr + b * a.o_seq + (kvh * group + g) * a.o_head;
         for (int sl = 0; sl < kSlices; ++sl)
           for (int u = 0; u < 4; ++u)
             for (int i = 0; i < 16; ++i) {
