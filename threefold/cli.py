@@ -7,6 +7,7 @@ import os
 import sys
 import uuid
 
+from threefold.config import SchedulerConfig
 from threefold.errors import ThreefoldError
 
 
@@ -16,8 +17,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="e.g. 2GiB, 512MiB or bytes")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    defaults = SchedulerConfig()  # the engine's own defaults, one source
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
+                        help="tokens per step: prefill chunks and decodes together")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--seed", type=int, default=0)
