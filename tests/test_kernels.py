@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.prompts import PROMPTS
 from threefold.env import Env
-from threefold.kernels import cpu_kernels
+from threefold.kernels import cpu_kernels, has_few_row_linear
 from threefold.model.llama import Linear, apply_rope
 from threefold.sample.params import SamplingParams
 from threefold.sample.sampler import Sampler, SamplingMetadata
-from tests.prompts import PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,9 @@ def test_linear_small_matches_float64(kernels, dtype, rows, out_features, in_fea
     out = torch.full((rows, out_features), float("nan"), dtype=dtype)
     if not kernels.linear_small(out, x, w, b):
         assert torch.isnan(out).all()  # declined, nothing written: Linear falls back to oneDNN/MKL
+        assert not has_few_row_linear(kernels)  # so the loader keeps no plain weights for it
         pytest.skip("this CPU has no AVX-512: the few-row linear is not built")
+    assert has_few_row_linear(kernels)
     expected = F.linear(x.double(), w.double(), None if b is None else b.double())
     # Each side sums in fp32 in its own order, then rounds once to the dtype, as F.linear does.
     torch.testing.assert_close(out.double(), expected, **({"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32

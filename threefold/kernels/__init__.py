@@ -77,3 +77,12 @@ def cpu_kernels() -> ModuleType | None:
         logger.warning("CPU kernels unavailable (%s: %s); using the plain PyTorch attention path",
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return None
+
+
+def has_few_row_linear(kernels: ModuleType | None) -> bool:
+    """Whether `kernels.linear_small` runs on this build (it needs AVX-512): a probe on a tiny
+    input. Without it, keeping plain bf16 weights beside the packed ones would buy nothing."""
+    if kernels is None:
+        return False
+    x, w = torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(16, 32, dtype=torch.bfloat16)
+    return bool(kernels.linear_small(torch.empty(1, 16, dtype=torch.bfloat16), x, w, None))

@@ -10,8 +10,7 @@ import torch
 
 from threefold.env import Env
 from threefold.errors import ModelNotFoundError, ThreefoldError
-from threefold.kernels import cpu_kernels
-from threefold.kernels import cpu_kernels
+from threefold.kernels import cpu_kernels, has_few_row_linear
 from threefold.model import gguf_loader, hf_loader
 from threefold.model.config import ModelArchConfig
 from threefold.model.llama import CausalLM
@@ -85,7 +84,7 @@ def build_model(config: ModelArchConfig, source: TensorSource, max_len: int, dev
     model.requires_grad_(False)
     model.eval().to(device)
     kernels = cpu_kernels() if torch.device(device).type == "cpu" else None
-    model.pack_weights(keep_plain=kernels is not None)
+    model.pack_weights(keep_plain=has_few_row_linear(kernels))  # the few-row kernel reads plain weights
     model.use_kernels(kernels)
     model.init_rope(max_len)
     return model
