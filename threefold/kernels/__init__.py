@@ -79,9 +79,11 @@ def cpu_kernels() -> ModuleType | None:
         return None
 
 
+@functools.cache
 def has_few_row_linear(kernels: ModuleType | None) -> bool:
     """Whether `kernels.linear_small` runs on this build (it needs AVX-512): a probe on a tiny
-    input. Without it, keeping plain bf16 weights beside the packed ones would buy nothing."""
+    input, once per module. Without it, keeping plain bf16 weights beside the packed ones, or
+    routing few-row calls to it, would buy nothing."""
     if kernels is None:
         return False
     x, w = torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(16, 32, dtype=torch.bfloat16)

@@ -373,19 +373,14 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
       // Pass 2. vt[u][r] holds keys 2r, 2r+1 interleaved per dim, for the dims unpack{lo,hi}
       // picks: slice u = 2h + hi covers dims 32h + 8(i / 4) + i % 4 + 4 hi, i = 0..15.
       for (int sl = 0; sl < kSlices; ++sl) {
-        if (sl == 0 && kSlices == 1) {
-          TILE_ZERO(kC2); TILE_ZERO(kC2b); TILE_ZERO(kC2c); TILE_ZERO(kC2d);
-        }
         for (int64_t t0 = 0; t0 < n; t0 += 32) {
-          if (kSlices > 1) {
-            if (t0 == 0) {
-              TILE_ZERO(kC2); TILE_ZERO(kC2b); TILE_ZERO(kC2c); TILE_ZERO(kC2d);
-            } else {
-              TILE_LOAD(kC2, &o[0][sl * 64], D * 4);
-              TILE_LOAD(kC2b, &o[0][sl * 64 + 16], D * 4);
-              TILE_LOAD(kC2c, &o[0][sl * 64 + 32], D * 4);
-              TILE_LOAD(kC2d, &o[0][sl * 64 + 48], D * 4);
-            }
+          if (t0 == 0) {
+            TILE_ZERO(kC2); TILE_ZERO(kC2b); TILE_ZERO(kC2c); TILE_ZERO(kC2d);
+          } else if (kSlices > 1) {  // one slice's O stays in the tiles; more take turns through o
+            TILE_LOAD(kC2, &o[0][sl * 64], D * 4);
+            TILE_LOAD(kC2b, &o[0][sl * 64 + 16], D * 4);
+            TILE_LOAD(kC2c, &o[0][sl * 64 + 32], D * 4);
+            TILE_LOAD(kC2d, &o[0][sl * 64 + 48], D * 4);
           }
           for (int64_t j = t0 + 64; j < std::min<int64_t>(t0 + 96, n); ++j) {
             _mm_prefetch(reinterpret_cast<const char*>(vrows[j]) + sl * 128, _MM_HINT_T0);

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from threefold.kernels import has_few_row_linear
 from threefold.model.config import ModelArchConfig
 
 AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -291,11 +292,12 @@ class CausalLM(nn.Module):
         threefold.kernels' native passes (None: the torch ops, which compute the same up
         to rounding)."""
         self.kernels = kernels
+        few_rows = has_few_row_linear(kernels)
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.kernels = kernels
-            elif isinstance(module, Linear) and module.weight.device.type != "meta":
-                module.kernels = kernels
+            elif isinstance(module, Linear):  # where the kernel runs and the plain weight was kept
+                module.kernels = kernels if few_rows and module.weight.device.type != "meta" else None
 
     def init_rope(self, max_len: int) -> None:
         """Precompute cos/sin for positions [0, max_len) on the weights' device."""

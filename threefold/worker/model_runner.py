@@ -34,8 +34,8 @@ class ModelRunner:
         self.states: dict[str, CachedRequestState] = {}
         self.kv_cache: PagedKVCache | None = None
         self.kernels = cpu_kernels() if self.device.type == "cpu" else None
-        self.sampler = Sampler(self.kernels)
         """The native decode-attention kernel, or None: the plain torch path (same results)."""
+        self.sampler = Sampler(self.kernels)
         self.prompt_logprobs_observer: Callable[[str, int, torch.Tensor], None] | None = None
         """Measurement hook (bench quality): sees the full log-distribution rows
         [n, vocab] of prompt positions starting at a position, per request."""
