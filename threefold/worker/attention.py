@@ -57,7 +57,6 @@ class DecodeGroup:
 class AttentionMetadata:
     slot_mapping: torch.Tensor
     """[num_tokens] cache slot of every token of the step."""
-    num_decodes: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     sliding_window: int | None = None

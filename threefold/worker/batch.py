@@ -88,7 +88,7 @@ def _attention_metadata(order: list[CachedRequestState], starts: list[int], lens
         num_blocks = -(-(state.num_computed_tokens + n) // block_size)
         prefills.append(PrefillChunk(start, n, state.num_computed_tokens,
                                      torch.tensor([state.block_ids[:num_blocks]], device=device)))
-    return AttentionMetadata(torch.tensor(slots, device=device), num_decodes, groups, prefills, sliding_window)
+    return AttentionMetadata(torch.tensor(slots, device=device), groups, prefills, sliding_window)
 
 
 # A bucket's longest context is at most this many times its shortest: padding
