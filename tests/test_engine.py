@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from prompts import PROMPTS
 from threefold.sample.params import SamplingParams
+
+from prompts import PROMPTS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -20,7 +20,8 @@ from threefold.engine.llm import LLM
 from threefold.engine.llm_engine import EngineArgs, LLMEngine
 from threefold.sample.params import SamplingParams
 from threefold.server import serving_completions
-from threefold.server.testing import ServerThread
+
+from server_harness import ServerThread
 from server_helpers import metrics, wait_for
 
 MODEL = "smollm2-135m"

@@ -15,12 +15,13 @@ import httpx
 import openai
 import pytest
 
-from threefold.engine.llm_engine import EngineStats
 from threefold.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from threefold.engine.llm_engine import EngineStats
 from threefold.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from threefold.errors import ContextLengthError, ThreefoldError
 from threefold.sample.params import SamplingParams
-from threefold.server.testing import ServerThread
+
+from server_harness import ServerThread
 from server_helpers import metrics, wait_for
 
 
