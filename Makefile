@@ -28,11 +28,11 @@ lint: setup
 	$(BIN)/mypy
 
 demo: setup
-	$(BIN)/threefold generate --model smollm2-135m --max-tokens 64 \
+	$(BIN)/threefold generate --max-tokens 64 \
 		--prompt "The three most useful things to know about paged attention are"
 
 serve: setup
-	$(BIN)/threefold serve --model smollm2-135m --host 127.0.0.1 --port 8000
+	$(BIN)/threefold serve --host 127.0.0.1 --port 8000
 
 # Benchmarks against the peers that need no setup of their own; add vllm / llamacpp once their
 # venvs exist (`threefold bench peers install vllm`, see CONTRIBUTING.md), e.g.

@@ -7,23 +7,25 @@ import os
 import sys
 import uuid
 
-from threefold.config import SchedulerConfig
+from threefold.config import CacheConfig, ModelConfig, SchedulerConfig
 from threefold.errors import ThreefoldError
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine knobs shared by generate, chat and serve."""
-    parser.add_argument("--model", default="smollm2-135m", help="registry name, GGUF file or HF directory")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="e.g. 2GiB, 512MiB or bytes")
-    defaults = SchedulerConfig()  # the engine's own defaults, one source
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
+    """Engine knobs shared by generate, chat and serve; every default is read from threefold/config.py."""
+    model, cache, sched = ModelConfig(), CacheConfig(), SchedulerConfig()
+    parser.add_argument("--model", default=model.model, help="registry name, GGUF file or HF directory")
+    parser.add_argument("--dtype", default=model.dtype, choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--max-model-len", type=int, default=model.max_model_len)
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=cache.kv_cache_memory,
+                        help="e.g. 2GiB, 512MiB or bytes (default: a share of free RAM)")
+    parser.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens,
                         help="tokens per step: prefill chunks and decodes together")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=cache.block_size)
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        default=cache.enable_prefix_caching)
+    parser.add_argument("--seed", type=int, default=model.seed)
 
 
 def engine_args_from(ns: argparse.Namespace):

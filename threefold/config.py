@@ -8,6 +8,9 @@ from threefold.errors import ThreefoldError
 
 _DTYPES = ("auto", "float32", "bfloat16")
 
+DEFAULT_MODEL = "smollm2-135m"
+"""The registry name loaded when none is given (CLI, server, LLM(), benchmarks); the registry re-exports it."""
+
 
 def _require(ok: bool, message: str, param: str) -> None:
     if not ok:
@@ -16,7 +19,7 @@ def _require(ok: bool, message: str, param: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     """Registry name, GGUF file path or Hugging Face checkpoint directory."""
     dtype: str = "auto"
     """Weight/compute dtype: auto (checkpoint's; bf16 for quantized GGUF), float32, bfloat16."""
