@@ -30,18 +30,20 @@ def config_defaults() -> dict[str, object]:
 
 def drifted(defaults: dict[str, object]) -> list[str]:
     """The engine knobs whose default in `defaults` differs from the config's (missing counts as differing)."""
-    return [name for name, default in config_defaults().items() if defaults.get(name, inspect.Parameter.empty) != default]
+    missing = inspect.Parameter.empty
+    return [name for name, default in config_defaults().items() if defaults.get(name, missing) != default]
 
 
 def test_config_defaults_are_the_documented_ones():
     """The values themselves, so a change to them is a deliberate one (README and docs quote them)."""
     defaults = config_defaults()
-    assert defaults["model"] == DEFAULT_MODEL == "smollm2-135m"
+    assert defaults["model"] == DEFAULT_MODEL
+    assert DEFAULT_MODEL == "smollm2-135m"
     assert (defaults["block_size"], defaults["max_num_seqs"], defaults["max_num_batched_tokens"]) == (16, 256, 2048)
 
 
 def test_registry_default_is_the_config_default():
-    assert registry.DEFAULT_MODEL == ModelConfig().model
+    assert ModelConfig().model == registry.DEFAULT_MODEL
     assert registry.DEFAULT_MODEL in registry.REGISTRY
 
 

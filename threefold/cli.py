@@ -70,7 +70,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], _params(ns))
     else:
         outputs = llm.generate(prompts, _params(ns))
-    for prompt, output in zip(prompts, outputs):
+    for prompt, output in zip(prompts, outputs, strict=True):
         completion = output.outputs[0]
         print(f"### prompt: {prompt}\n{completion.text}\n[{len(completion.token_ids)} tokens, "
               f"finish_reason={completion.finish_reason}]")
