@@ -46,13 +46,13 @@ def result_files(tmp_path):
     offline = {"kind": "offline", "label": "transformers", "engine": "transformers", "num_prompts": 8,
                "output_tokens": 800, "elapsed_s": 4.0, "output_tokens_per_s": 200.0, "requests_per_s": 2.0}
     (tmp_path / "runs" / "offline.json").write_text(json.dumps(offline))
-    return paths + [tmp_path / "runs" / "offline.json"]
+    return [*paths, tmp_path / "runs" / "offline.json"]
 
 
 def test_report_writes_table_and_plots(result_files, tmp_path):
     md = write_report(result_files, tmp_path / "report")
     text = md.read_text()
-    table = [line for line in text.splitlines() if line.startswith("| threefold |") or line.startswith("| vllm |")]
+    table = [line for line in text.splitlines() if line.startswith(("| threefold |", "| vllm |"))]
     assert len(table) == 8  # 3 + 3 concurrency runs, 2 rate runs
     header = text.splitlines()[text.splitlines().index("## Serving") + 2]
     assert "TTFT p99" in header and "goodput req/s" in header

@@ -59,9 +59,9 @@ def test_managed_server_stops_its_process_and_reports_early_death(tmp_path):
         assert _alive(pid)
     assert server.proc.poll() is not None and not _alive(pid)
     dead = ServerSpec("dead", [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"])
-    with pytest.raises(ThreefoldError, match="exited with 3"):
-        with ManagedServer(dead, free_port(), tmp_path / "dead.txt", startup_timeout=30):
-            pass
+    with (pytest.raises(ThreefoldError, match="exited with 3"),
+          ManagedServer(dead, free_port(), tmp_path / "dead.txt", startup_timeout=30)):
+        pass
 
 
 def test_server_spec_parsing():

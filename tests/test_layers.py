@@ -32,11 +32,9 @@ def imports_of(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_package_respects_layers(package):
-    offenders = []
-    for path in sorted((ROOT / package).rglob("*.py")):
-        for name in imports_of(path):
-            if any(name == bad or name.startswith(bad + ".") for bad in FORBIDDEN[package]):
-                offenders.append(f"{path.relative_to(ROOT.parent)} imports {name}")
+    offenders = [f"{path.relative_to(ROOT.parent)} imports {name}"
+                 for path in sorted((ROOT / package).rglob("*.py")) for name in imports_of(path)
+                 if any(name == bad or name.startswith(bad + ".") for bad in FORBIDDEN[package])]
     assert not offenders, "\n".join(offenders)
 
 

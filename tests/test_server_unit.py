@@ -10,6 +10,7 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import httpx
 import openai
@@ -59,8 +60,8 @@ class FakeEngine:
 
     model_name = "fake"
     max_model_len = 64
-    generation_defaults: dict = {}
-    eos_token_ids: list[int] = []
+    generation_defaults: ClassVar[dict] = {}
+    eos_token_ids: ClassVar[list[int]] = []
     vocab_size = 256
 
     def __init__(self, max_running: int = 8, step_delay_s: float = 0.01) -> None:
