@@ -158,15 +158,29 @@ def _num_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def best_dtype(dtype: str = "auto") -> str:
+    """`auto` made concrete for a peer: bf16 only where the CPU has native bf16 dot products.
+
+    vLLM's own `auto` turns an fp32 checkpoint (our converted GGUF) into bf16 on
+    any CPU, which on AVX2 is emulated at about 0.4x fp32: each engine is measured
+    at its best dtype for this CPU, and both at the same one.
+    """
+    if dtype != "auto":
+        return dtype
+    from threefold.cpu import has_native_bf16
+
+    return "bfloat16" if has_native_bf16() else "float32"
+
+
 def serve_command(peer: str, model: str, port: int, host: str = "127.0.0.1", max_model_len: int = 2048,
-                  dtype: str = "bfloat16") -> tuple[list[str], dict[str, str]]:
+                  dtype: str = "auto") -> tuple[list[str], dict[str, str]]:
     """The command line (and extra environment) that starts `peer`'s OpenAI server on `model`."""
     from threefold.bench.tokenizer import resolve_model_path
 
-    name = served_name(model)
+    name, dtype = served_name(model), best_dtype(dtype)
     if peer == "threefold":
         return [sys.executable, "-m", "threefold.cli", "serve", "--model", model, "--served-model-name", name,
-                "--host", host, "--port", str(port), "--max-model-len", str(max_model_len)], {}
+                "--host", host, "--port", str(port), "--max-model-len", str(max_model_len), "--dtype", dtype], {}
     if not is_installed(peer):
         raise ThreefoldError(f"peer {peer} is not installed; run `threefold bench peers install {peer}`", param="peer")
     python = str(venv_python(peer))
