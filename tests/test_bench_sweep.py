@@ -82,3 +82,11 @@ def test_builtin_servers_run_at_one_dtype_chosen_for_this_cpu():
     assert command[command.index("--dtype") + 1] == expected
     command, _ = serve_command("threefold", "smollm2-135m", 1234, dtype="bfloat16")
     assert command[command.index("--dtype") + 1] == "bfloat16"
+
+
+def test_llama_cpp_build_uses_avx512_only_where_the_cpu_has_it():
+    from threefold.bench.peers import llama_cmake_args
+
+    avx2 = llama_cmake_args("avx2").split()
+    assert "-DGGML_AVX2=ON" in avx2 and "-DGGML_AVX512=OFF" in avx2 and "-DGGML_AVX512_BF16=OFF" in avx2
+    assert "-DGGML_AVX512=ON" in llama_cmake_args("avx512").split() and "-DGGML_AMX_TILE=OFF" in llama_cmake_args("amx")
