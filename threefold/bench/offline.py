@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from threefold.bench.datasets import Session
-from threefold.bench.peers import best_dtype, converted_dir, convert, is_installed, venv_python
+from threefold.bench.peers import best_dtype, convert, converted_dir, is_installed, venv_python
 from threefold.bench.report import cpu_record
 from threefold.bench.serve import build_workload
 from threefold.bench.tokenizer import load_tokenizer, resolve_model_path
