@@ -95,7 +95,8 @@ def _add_peers(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--model", default=DEFAULT_MODEL)
     cmd.add_argument("--port", type=int, default=8000)
     cmd.add_argument("--max-model-len", type=int, default=2048)
-    cmd.add_argument("--dtype", default="bfloat16", help="vLLM compute dtype")
+    cmd.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                     help="compute dtype (threefold, vLLM); auto: bf16 only on CPUs with native bf16")
     cmd.set_defaults(func=_peers_serve_cmd)
     psub.add_parser("status", help="which peers are installed").set_defaults(func=_peers_status)
 
