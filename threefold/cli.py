@@ -22,6 +22,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
                         help="tokens per step: prefill chunks and decodes together")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="KV codec: auto, int8, fp8 (=fp8_e4m3), fp8_e5m2, int4[:group=32]")
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -31,7 +33,8 @@ def engine_args_from(ns: argparse.Namespace):
     return EngineArgs(model=ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len,
                       kv_cache_memory=ns.kv_cache_memory, block_size=ns.block_size, max_num_seqs=ns.max_num_seqs,
                       max_num_batched_tokens=ns.max_num_batched_tokens,
-                      enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed)
+                      enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed,
+                      kv_cache_dtype=ns.kv_cache_dtype)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

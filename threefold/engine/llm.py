@@ -25,11 +25,12 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", dtype: str = "auto", max_model_len: int | None = None,
                  kv_cache_memory: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, seed: int = 0, block_size: int = 16,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", kv_cache_dtype: str = "auto") -> None:
         args = EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                           block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
-                          enable_prefix_caching=enable_prefix_caching, seed=seed, device=device)
+                          enable_prefix_caching=enable_prefix_caching, seed=seed, device=device,
+                          kv_cache_dtype=kv_cache_dtype)
         self.engine = LLMEngine.from_args(args)
         self._ids = itertools.count()
 

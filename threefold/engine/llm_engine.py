@@ -40,12 +40,13 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     device: str = "cpu"
 
     def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         return (ModelConfig(self.model, self.dtype, self.max_model_len, self.seed),
-                CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching),
+                CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching, self.kv_cache_dtype),
                 SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens))
 
 
