@@ -153,3 +153,45 @@ def test_read_of_the_null_block_is_finite(spec):
     k, v = codec.read(storage, torch.zeros(2, 3, dtype=torch.long))
     assert k.shape == (2, 2, 12, 64) and k.dtype == torch.bfloat16
     assert torch.isfinite(k).all() and torch.isfinite(v).all()
+
+
+# ---- plumbing ------------------------------------------------------------------------------
+def test_llm_rejects_a_bad_spec_before_loading_the_model():
+    from threefold.engine.llm import LLM
+
+    with pytest.raises(ThreefoldError, match="choices: auto, fp8"):
+        LLM(model="no-such-model-is-loaded", kv_cache_dtype="kivi9")
+
+
+def test_cli_takes_kv_cache_dtype():
+    from threefold.cli import build_parser, engine_args_from
+
+    ns = build_parser().parse_args(["generate", "--kv-cache-dtype", "int4:group=16"])
+    assert engine_args_from(ns).kv_cache_dtype == "int4:group=16"
+    ns = build_parser().parse_args(["bench", "offline", "--kv-cache-dtype", "int8", "--kv-cache-memory", "64MiB"])
+    assert (ns.kv_cache_dtype, ns.kv_cache_memory) == ("int8", 64 << 20)
+
+
+def test_metrics_export_the_cache_config():
+    from threefold.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    metrics.set_cache_config({"kv_cache_dtype": "int4:group=32", "block_size": 16, "num_blocks": 10,
+                              "bytes_per_token": 8640.0, "capacity_tokens": 160, "kv_cache_memory": 1 << 20})
+    text = metrics.render().decode()
+    assert 'vllm:cache_config_info{block_size="16",' in text and 'kv_cache_dtype="int4:group=32"' in text
+    assert 'threefold:kv_cache_bytes_per_token{kv_cache_dtype="int4:group=32",model_name="m"} 8640.0' in text
+    assert 'threefold:kv_cache_capacity_tokens{kv_cache_dtype="int4:group=32",model_name="m"} 160.0' in text
+
+
+def test_capacity_rows_follow_bytes():
+    from types import SimpleNamespace
+
+    from threefold.kv.capacity import capacity_rows
+
+    config = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    rows = {r["kv_cache_dtype"]: r for r in capacity_rows(config, 256 << 20)}
+    assert rows["auto"]["bytes_per_token"] == 2 * 30 * 3 * 64 * 2
+    assert rows["int8"]["bytes_per_token"] == 2 * 30 * 3 * (64 + 4)
+    assert rows["int4:group=32"]["bytes_per_token"] == 2 * 30 * 3 * (32 + 2 * 2 * 4)
+    assert rows["int4:group=32"]["capacity_tokens"] == (256 << 20) // (16 * rows["int4:group=32"]["bytes_per_token"]) * 16

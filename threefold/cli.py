@@ -99,6 +99,21 @@ def cmd_models(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_info(ns: argparse.Namespace) -> int:
+    """What a KV budget holds under each codec, for one model (reads its config, not its weights)."""
+    from threefold.kv.capacity import arch_config, capacity_rows
+    config = arch_config(ns.model, ns.dtype)
+    budget = ns.kv_cache_memory or 256 << 20
+    print(f"{ns.model}: {config.num_layers} layers, {config.num_kv_heads} KV heads x {config.head_dim}, "
+          f"{str(config.dtype).removeprefix('torch.')}; KV budget {budget / 2**20:.0f} MiB")
+    print(f"{'kv_cache_dtype':<16} {'bytes/token':>12} {'tokens':>10} {'vs auto':>8}")
+    rows = capacity_rows(config, budget, ns.block_size)
+    for row in rows:
+        print(f"{row['kv_cache_dtype']:<16} {row['bytes_per_token']:>12.0f} {row['capacity_tokens']:>10} "
+              f"{row['capacity_tokens'] / max(rows[0]['capacity_tokens'], 1):>7.2f}x")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="threefold", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -116,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     pull_parser.add_argument("names", nargs="+")
     pull_parser.set_defaults(func=cmd_pull)
     sub.add_parser("models", help="list named models").set_defaults(func=cmd_models)
+    info = sub.add_parser("info", help="KV-cache capacity of a model under each kv_cache_dtype")
+    info.add_argument("--model", default="smollm2-135m")
+    info.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    info.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="budget; default 256MiB")
+    info.add_argument("--block-size", type=int, default=16)
+    info.set_defaults(func=cmd_info)
     _add_optional(sub, "threefold.server.cli")
     _add_optional(sub, "threefold.bench.cli")
     return parser

@@ -42,8 +42,12 @@ class EngineCore:
         spec = str(self.runner.codec.spec)
         self.kv = KVCacheManager(num_blocks, cache.block_size, loaded.fingerprint, cache.enable_prefix_caching, spec)
         self.scheduler = Scheduler(sched, self.kv, max_model_len)
+        self.cache_info = {"kv_cache_dtype": spec, "block_size": cache.block_size, "num_blocks": num_blocks - 1,
+                           "bytes_per_token": self.runner.bytes_per_block() / cache.block_size,
+                           "capacity_tokens": self.kv.capacity_tokens, "kv_cache_memory": budget}
+        """What the KV pool holds (startup log, /metrics, `threefold info`)."""
         logger.info("KV cache: kv_cache_dtype=%s, %.1f bytes/token, %d blocks of %d tokens = %d tokens (%.1f MiB)",
-                    spec, self.runner.bytes_per_block() / cache.block_size, num_blocks - 1,
+                    spec, self.cache_info["bytes_per_token"], num_blocks - 1,
                     cache.block_size, self.kv.capacity_tokens, budget / 2**20)
 
     def add_request(self, request: Request) -> None:

@@ -77,6 +77,10 @@ class KVCodec(ABC):
     def layout(self, storage: object) -> KVLayout:
         """The storage as the native attention kernel reads it."""
 
+    def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [T, kvh, d] as `read` would return them once written (lossless codecs: unchanged)."""
+        return k, v
+
 
 class DenseCodec(KVCodec):
     """Uncompressed K/V in the model's dtype (bf16 or fp32)."""

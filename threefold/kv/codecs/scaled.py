@@ -77,6 +77,10 @@ class ScaledCodec(KVCodec):
         dense = dense.to(self.compute_dtype).view(2, num_seqs, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
         return dense[0], dense[1]  # [B, kvh, L, d]
 
+    def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dense = self.dequantize(*self.quantize(torch.stack([k, v]))).to(self.compute_dtype)
+        return dense[0], dense[1]
+
     def layout(self, storage: ScaledStorage) -> KVLayout:
         zeros = storage.zeros
         return KVLayout(self.kind, storage.codes[0], storage.codes[1], storage.scales[0], storage.scales[1],
