@@ -14,7 +14,6 @@ import torch
 from threefold.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from threefold.kernels import cpu_kernels
 from threefold.kv.registry import make_codec
-from threefold.kv.native import kv_kernels
 from threefold.kv.paged import PagedKVCache
 from threefold.model.loader import LoadedModel
 from threefold.sample.sampler import Sampler, SamplingMetadata, compute_logprobs_tensors
@@ -46,8 +45,6 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = PagedKVCache(self.codec, self.config.num_layers, num_blocks, self.block_size, self.device)
-        if self.kv_cache.layout(0).kind != "dense" and kv_kernels() is None:  # compressed-KV kernel failed to build
-            self.kernels = None
 
     # ---- per-step state ----------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
