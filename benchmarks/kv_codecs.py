@@ -1,6 +1,7 @@
 """KV-cache codecs side by side: memory, quality through the compressed cache, decode attention time.
 
     flock /tmp/threefold-bench.lock python benchmarks/kv_codecs.py [--codecs auto,int8,...] [--skip-quality]
+    python benchmarks/kv_codecs.py --skip-speed      # memory and quality: no timing, no lock
 
 Memory: bytes per token (everything a block stores, all layers) and tokens in 256 MiB, for
 the model's KV geometry. Quality: ShareGPT test-split conversations concatenated into
@@ -121,6 +122,7 @@ def main() -> None:
     parser.add_argument("--context-tokens", type=int, default=1088)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--skip-speed", action="store_true", help="memory and quality only (no timing: no lock)")
     parser.add_argument("--speed-dtype", default="float32", choices=("float32", "bfloat16"))
     ns = parser.parse_args()
     from threefold.model.loader import load_model
@@ -131,9 +133,9 @@ def main() -> None:
               "memory_bf16": memory_rows(loaded.config, codecs, torch.bfloat16),
               "memory_fp32": memory_rows(loaded.config, codecs, torch.float32)}
     print(json.dumps(result, indent=1, default=str), flush=True)
-    speed_dtype = getattr(torch, ns.speed_dtype)
-    result["speed"] = speed_rows(loaded.config, codecs, speed_dtype)
-    print(json.dumps(result["speed"], indent=1), flush=True)
+    if not ns.skip_speed:
+        result["speed"] = speed_rows(loaded.config, codecs, getattr(torch, ns.speed_dtype))
+        print(json.dumps(result["speed"], indent=1), flush=True)
     if not ns.skip_quality:
         seqs = contexts(loaded.tokenizer, ns.contexts, ns.context_tokens)
         result["quality"] = quality_rows(loaded, codecs, seqs, ns.chunk)
