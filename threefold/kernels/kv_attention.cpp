@@ -8,7 +8,7 @@
 //   K^ = dequant(codes, scales, zeros) per row;  t in [max(0, seq_len[b] - window), seq_len[b])
 //
 // Layout per layer (all contiguous):
-//   codes  [num_blocks, block_size, kv_heads, width]    int8 | fp8 bits | two int4 per byte (low first)
+//   codes  [num_blocks, block_size, kv_heads, width]    int8 | fp8 bits | int4: byte i = q[i] | q[i + d/2] << 4
 //   scales [num_blocks, block_size, kv_heads, groups]   fp32   (int8/fp8: groups = 1)
 //   zeros  [num_blocks, block_size, kv_heads, groups]   fp32   (int4 only)
 //
@@ -61,16 +61,15 @@ struct Side {
       const float sc = s[0];
       for (int64_t i = 0; i < n; ++i) dst[i] = lut[c[i]] * sc;
     } else {
+      // Packed by halves: two contiguous passes (vectorized), then scale and zero per group.
       const float* z = zeros + index * groups;
-      const int64_t group = n / groups;
+      const int64_t half = n / 2, group = n / groups;
+      for (int64_t i = 0; i < half; ++i) dst[i] = static_cast<float>(c[i] & 15);
+      for (int64_t i = 0; i < half; ++i) dst[half + i] = static_cast<float>(c[i] >> 4);
       for (int64_t g = 0; g < groups; ++g) {
         const float sc = s[g], zz = z[g];
-        const uint8_t* cg = c + g * group / 2;
         float* dg = dst + g * group;
-        for (int64_t j = 0; j < group / 2; ++j) {
-          dg[2 * j] = static_cast<float>(cg[j] & 15) * sc + zz;
-          dg[2 * j + 1] = static_cast<float>(cg[j] >> 4) * sc + zz;
-        }
+        for (int64_t j = 0; j < group; ++j) dg[j] = dg[j] * sc + zz;
       }
     }
   }

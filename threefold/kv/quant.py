@@ -4,7 +4,9 @@ read path of the reference attention. All maths in fp32.
     int8   symmetric per (token, head):  s = amax / 127,  q = round(x / s)      |x - q s| <= s / 2
     fp8    per (token, head) scale:      s = amax / FMAX, q = fp8(x / s)        |x - q s| <= |x| 2^-(m+1) + s sub / 2
     int4   asymmetric, groups of g channels:  s = (max - min) / 15, z = min,
-           q = round((x - z) / s) in [0, 15], packed two per byte (low nibble first)   |x - (q s + z)| <= s / 2
+           q = round((x - z) / s) in [0, 15]                                        |x - (q s + z)| <= s / 2
+           packed by halves: byte i = q[i] | q[i + d/2] << 4 (unpacking is two contiguous,
+           vectorizable loops in the kernel, where interleaved nibbles would not vectorize)
 
 A zero scale (an all-zero row or a constant group) is stored as is and divides as 1,
 so such rows round-trip exactly.
@@ -54,13 +56,14 @@ def quantize_int4(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     low = grouped.amin(dim=-1, keepdim=True)
     scale = (grouped.amax(dim=-1, keepdim=True) - low) / 15
     codes = torch.round((grouped - low) / _safe(scale)).clamp_(0, 15).to(torch.uint8).flatten(-2)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    half = codes.shape[-1] // 2
+    packed = codes[..., :half] | (codes[..., half:] << 4)
     return packed, scale.squeeze(-1), low.squeeze(-1)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., d / 2] -> codes uint8 [..., d]."""
-    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+    return torch.cat([packed & 15, packed >> 4], dim=-1)
 
 
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Storage of one layer (index 0 = K, 1 = V):
 
-    codes   [2, num_blocks, block_size, kvh, code_width]   int8 / fp8 bits / two int4 per byte
+    codes   [2, num_blocks, block_size, kvh, code_width]   int8 / fp8 bits / two int4 per byte (by halves)
     scales  [2, num_blocks, block_size, kvh, num_groups]   fp32
     zeros   [2, num_blocks, block_size, kvh, num_groups]   fp32, int4 only
 
