@@ -117,7 +117,7 @@ class PagedAttention:
         total = chunk.context_len + chunk.query_len
         if chunk.context_len == 0:
             # Nothing cached before the chunk: attend over its fresh K/V as the cache holds them
-            # (a lossy codec's round trip), so the result does not depend on how a prompt is chunked.
+            # (a lossy codec's round trip), the values any later chunk or decode reads back.
             k, v = self.cache.codec.round_trip(k, v)
             keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         else:
