@@ -45,11 +45,13 @@ def _hf_dir(model: str) -> Path:
                                        else convert(model))
 
 
-def run_threefold(model: str, requests: list[dict], dtype: str, max_model_len: int) -> float:
+def run_threefold(model: str, requests: list[dict], dtype: str, max_model_len: int,
+                  kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None) -> float:
     from threefold.engine.llm import LLM
     from threefold.sample.params import SamplingParams
 
-    llm = LLM(model, dtype=dtype, max_model_len=max_model_len)
+    llm = LLM(model, dtype=dtype, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
+              kv_cache_memory=kv_cache_memory)
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
     params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in requests]
     llm.generate(prompts[:1], params[:1])  # warm-up
@@ -107,7 +109,8 @@ def run_offline(args: argparse.Namespace, requests: list[dict] | None = None) ->
     requests = requests if requests is not None else token_workload(args)
     dtype = args.dtype = best_dtype(args.dtype)  # the same concrete dtype for every engine, recorded
     if args.engine == "threefold":
-        elapsed = run_threefold(args.model, requests, dtype, args.max_total_len)
+        elapsed = run_threefold(args.model, requests, dtype, args.max_total_len, args.kv_cache_dtype,
+                                args.kv_cache_memory)
     elif args.engine == "vllm":
         elapsed = run_vllm(args.model, requests, dtype, args.max_total_len)
     else:
@@ -126,6 +129,9 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                         help="every engine's compute dtype; auto: bf16 only on CPUs with native bf16, else fp32")
     parser.add_argument("--batch-size", type=int, default=16, help="transformers: static batch size")
+    from threefold.cli import parse_bytes
+    parser.add_argument("--kv-cache-dtype", default="auto", help="threefold: KV codec spec (see threefold info)")
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="threefold: KV budget, e.g. 64MiB")
 
 
 def offline_main(args: argparse.Namespace) -> int:

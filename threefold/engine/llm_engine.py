@@ -41,12 +41,13 @@ class EngineArgs:
     max_num_seqs: int = _SCHED.max_num_seqs
     max_num_batched_tokens: int = _SCHED.max_num_batched_tokens
     enable_prefix_caching: bool = _CACHE.enable_prefix_caching
+    kv_cache_dtype: str = _CACHE.kv_cache_dtype
     seed: int = _MODEL.seed
     device: str = "cpu"
 
     def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         return (ModelConfig(self.model, self.dtype, self.max_model_len, self.seed),
-                CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching),
+                CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching, self.kv_cache_dtype),
                 SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens))
 
 
