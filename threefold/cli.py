@@ -7,14 +7,14 @@ import os
 import sys
 import uuid
 
-from threefold.config import SchedulerConfig
+from threefold.config import DTYPES, SchedulerConfig
 from threefold.errors import ThreefoldError
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine knobs shared by generate, chat and serve."""
     parser.add_argument("--model", default="smollm2-135m", help="registry name, GGUF file or HF directory")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPES)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="e.g. 2GiB, 512MiB or bytes")
     defaults = SchedulerConfig()  # the engine's own defaults, one source

@@ -23,6 +23,7 @@ from threefold.bench.datasets import Session
 from threefold.bench.peers import converted_dir, convert, is_installed, venv_python
 from threefold.bench.serve import build_workload
 from threefold.bench.tokenizer import load_tokenizer, resolve_model_path
+from threefold.config import DTYPES
 from threefold.errors import ThreefoldError
 
 ENGINES = ("threefold", "vllm", "transformers")
@@ -122,7 +123,7 @@ def run_offline(args: argparse.Namespace, requests: list[dict] | None = None) ->
 
 def add_offline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=ENGINES, default="threefold")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     parser.add_argument("--batch-size", type=int, default=16, help="transformers: static batch size")
 
 
