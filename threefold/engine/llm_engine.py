@@ -16,7 +16,6 @@ from threefold.config import CacheConfig, ModelConfig, SchedulerConfig
 from threefold.core.outputs import EngineCoreOutput
 from threefold.core.request import Request
 from threefold.core.scheduler import SchedulerStats
-from threefold.cpu import cpu_info
 from threefold.engine.engine_core import EngineCore
 from threefold.engine.output_processor import OutputProcessor, RequestState
 from threefold.engine.outputs import RequestOutput
@@ -62,7 +61,7 @@ class LLMEngine:
         self.eos_token_ids = list(loaded.eos_token_ids)
         self.vocab_size = loaded.config.vocab_size
         torch.manual_seed(model_config.seed)
-        loaded.precision.log(logger, cpu_info())  # which dtype, on which CPU, and why
+        loaded.precision.log(logger)  # which dtype, on which CPU, and why
         self.core = EngineCore(loaded, cache_config, sched_config, self.max_model_len, args.device)
         self.processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, RequestState] = {}

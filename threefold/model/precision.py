@@ -44,6 +44,8 @@ class Precision:
     else the compute dtype)."""
     reason: str
     """Why this choice, for the startup log."""
+    where: str
+    """What it was chosen for: the CPU's model and class, or the GPU device."""
     slow: str | None = None
     """Set when an explicit dtype will be slow on this CPU: why, and what to use instead."""
 
@@ -64,17 +66,17 @@ class Precision:
         and computes in fp32, which gives KV that neither float32 nor bfloat16 gives."""
         return f"compute={self.compute} weights={self.weights}"
 
-    def describe(self, cpu: CpuInfo) -> str:
+    def describe(self) -> str:
         storage = "bf16 + an fp32 copy for GEMMs" if self.mixed else str(self.weights).removeprefix("torch.")
-        return (f"dtype {self.name}: compute {str(self.compute).removeprefix('torch.')}, weights {storage} "
-                f"on {cpu.model} [{cpu.cpu_class}]: {self.reason}")
+        return (f"dtype {self.name}: compute {str(self.compute).removeprefix('torch.')}, weights {storage}, "
+                f"on {self.where}: {self.reason}")
 
-    def log(self, logger: logging.Logger, cpu: CpuInfo) -> None:
+    def log(self, logger: logging.Logger) -> None:
         """The startup line: INFO, or WARNING (with the advice) when this will be slow here."""
         if self.slow:
-            logger.warning("%s. %s", self.describe(cpu), self.slow)
+            logger.warning("%s. %s", self.describe(), self.slow)
         else:
-            logger.info("%s", self.describe(cpu))
+            logger.info("%s", self.describe())
 
 
 def _validate(requested: str, on_cpu: bool) -> None:
@@ -86,24 +88,28 @@ def _validate(requested: str, on_cpu: bool) -> None:
                              param="dtype")
 
 
-def _on_gpu(requested: str, checkpoint: torch.dtype) -> Precision:
+def _on_gpu(requested: str, checkpoint: torch.dtype, device: str) -> Precision:
     dtype = _EXPLICIT.get(requested, checkpoint)
-    return Precision(dtype, dtype, "requested" if requested != "auto" else "the checkpoint's dtype")
+    return Precision(dtype, dtype, "requested" if requested != "auto" else "the checkpoint's dtype", device)
+
+
+def _where(cpu: CpuInfo) -> str:
+    return f"{cpu.model} [{cpu.cpu_class}]"
 
 
 def _auto_on_cpu(checkpoint: torch.dtype, cpu: CpuInfo, mixed_kernel: bool) -> Precision:
+    fp32, bf16, where = torch.float32, torch.bfloat16, _where(cpu)
     if cpu.native_bf16:
-        if checkpoint == torch.float32:
-            return Precision(torch.float32, torch.float32, "the checkpoint is fp32")
-        return Precision(torch.bfloat16, torch.bfloat16, "the CPU has a native bf16 dot product")
-    why = "no native bf16 dot product on this CPU (bf16 would run at ~0.4x fp32)"
-    if checkpoint == torch.float32:
-        return Precision(torch.float32, torch.float32, f"{why}; the checkpoint is fp32")
+        if checkpoint == fp32:
+            return Precision(fp32, fp32, "auto: the checkpoint is fp32", where)
+        return Precision(bf16, bf16, "auto: the CPU has a native bf16 dot product", where)
+    why = "auto: no native bf16 dot product on this CPU (bf16 would run at ~0.4x fp32)"
+    if checkpoint == fp32:
+        return Precision(fp32, fp32, f"{why}; the checkpoint is fp32", where)
     if mixed_kernel:
-        return Precision(torch.float32, torch.bfloat16,
-                         f"{why}; few-row linears stream bf16 weights and widen them to fp32 in registers")
-    return Precision(torch.float32, torch.float32,
-                     f"{why}; this kernel build cannot stream bf16 weights into fp32 math")
+        return Precision(fp32, bf16, f"{why}; few-row linears stream bf16 weights, widened to fp32 in registers",
+                         where)
+    return Precision(fp32, fp32, f"{why}; this kernel build cannot stream bf16 weights into fp32 math", where)
 
 
 def _explicit_on_cpu(requested: str, cpu: CpuInfo, mixed_kernel: bool) -> Precision:
@@ -115,13 +121,13 @@ def _explicit_on_cpu(requested: str, cpu: CpuInfo, mixed_kernel: bool) -> Precis
         slow = None if mixed_kernel else (
             "This kernel build has no few-row linear over bf16 weights, so they only cost memory here; "
             "use dtype='float32'.")
-        return Precision(torch.float32, torch.bfloat16, "requested", slow)
+        return Precision(torch.float32, torch.bfloat16, "requested", _where(cpu), slow)
     dtype = _EXPLICIT[requested]
     slow = None
     if dtype == torch.bfloat16 and not cpu.native_bf16:
         slow = (f"This CPU ({cpu.cpu_class}) has no native bf16 dot product: bf16 linears run at about 0.4x "
                 f"fp32. Use dtype='auto' (fp32 compute{', bf16 weights' if mixed_kernel else ''}) or 'float32'.")
-    return Precision(dtype, dtype, "requested", slow)
+    return Precision(dtype, dtype, "requested", _where(cpu), slow)
 
 
 def resolve_precision(requested: str, checkpoint: torch.dtype, device: str, cpu: CpuInfo,
@@ -136,7 +142,7 @@ def resolve_precision(requested: str, checkpoint: torch.dtype, device: str, cpu:
         raise ThreefoldError(f"checkpoint dtype {checkpoint} is not supported; pass dtype='bfloat16'",
                              param="dtype")
     if not on_cpu:
-        return _on_gpu(requested, checkpoint)
+        return _on_gpu(requested, checkpoint, device)
     if requested == "auto":
         return _auto_on_cpu(checkpoint, cpu, mixed_kernel)
     return _explicit_on_cpu(requested, cpu, mixed_kernel)
