@@ -8,8 +8,8 @@ import pytest
 import torch
 from model_fixtures import TINY_GENERATION_CONFIG, make_tiny_checkpoint, smollm2_gguf_path
 
-from threefold.errors import ModelNotFoundError, ThreefoldError
 from threefold.cpu import cpu_info
+from threefold.errors import ModelNotFoundError, ThreefoldError
 from threefold.model.loader import LoadedModel, load_model
 
 

@@ -9,9 +9,9 @@ from types import ModuleType
 
 import torch
 
+from threefold.cpu import cpu_info
 from threefold.env import Env
 from threefold.errors import ModelNotFoundError, ThreefoldError
-from threefold.cpu import cpu_info
 from threefold.kernels import cpu_kernels
 from threefold.model import gguf_loader, hf_loader
 from threefold.model.config import ModelArchConfig
