@@ -21,7 +21,8 @@ from threefold.cpu import CpuInfo
 from threefold.engine.llm import LLM
 from threefold.engine.llm_engine import EngineArgs, LLMEngine
 from threefold.errors import ThreefoldError
-from threefold.model.llama import Linear, few_row_linear_runs
+from threefold.kernels import has_few_row_linear
+from threefold.model.llama import Linear
 from threefold.model.loader import load_model
 from threefold.model.precision import resolve_precision
 from threefold.sample.params import SamplingParams
@@ -152,7 +153,7 @@ def test_few_row_and_gemm_paths_agree(smollm2_bf16w):
     linear = smollm2_bf16w.model.layers[3].mlp.gate_up_proj
     if linear.kernels is None:
         pytest.skip("this kernel build has no few-row linear over bf16 weights with fp32 activations")
-    assert few_row_linear_runs(linear.kernels, FP32, BF16)
+    assert has_few_row_linear(linear.kernels, FP32, BF16)
     x = torch.randn(16, linear.in_features, generator=torch.Generator().manual_seed(0))
     batched = linear(x)  # [16, out]: F.linear on the fp32 copy
     for row in (0, 7):

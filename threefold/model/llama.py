@@ -9,7 +9,6 @@ four matmuls.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from threefold.kernels import FEW_ROWS_MAX, has_few_row_linear
 from threefold.model.config import ModelArchConfig
 
 AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -29,17 +29,6 @@ v [T, num_kv_heads, head_dim]) -> [T, num_heads, head_dim].
 q and k are RoPE'd (and q/k-normed for qwen3). q, k and v may be strided
 views into one buffer, not contiguous: use .reshape or .contiguous, not .view.
 """
-
-
-@functools.cache
-def few_row_linear_runs(kernels: ModuleType | None, x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
-    """Whether `kernels.linear_small` takes x_dtype activations over w_dtype weights on this build:
-    a probe on a tiny input, once per combination. Where it declines, keeping a plain weight
-    for it, or routing few-row calls to it, would buy nothing."""
-    if kernels is None:
-        return False
-    x, w = torch.zeros(1, 32, dtype=x_dtype), torch.zeros(16, 32, dtype=w_dtype)
-    return bool(kernels.linear_small(torch.empty(1, 16, dtype=x_dtype), x, w, None))
 
 
 class Linear(nn.Linear):
@@ -52,7 +41,7 @@ class Linear(nn.Linear):
     1.3-1.5x faster at every batch size on the 2-core Xeon (microbenchmark with
     SmolLM2's 30 layers of weights, cold). fp32 keeps F.linear (MKL).
 
-    With `kernels` set, a call of at most SMALL_ROWS rows (decode at batch 1-2)
+    With `kernels` set, a call of at most FEW_ROWS_MAX rows (decode at batch 1-2)
     takes threefold.kernels' linear_small over `stream_weight` instead: a plain
     prefetched stream over the row-major weight, 1.4x oneDNN's GEMV at one row
     (SmolLM2's 30 layers, cold); oneDNN/MKL win from a few rows up, where each
@@ -61,7 +50,6 @@ class Linear(nn.Linear):
     fp32 weight, which the kernel widens in registers at half the bytes.
     """
 
-    SMALL_ROWS = 2
     packed: Tensor | None = None
     stream_weight: Tensor | None = None
     kernels: ModuleType | None = None
@@ -85,7 +73,7 @@ class Linear(nn.Linear):
             self.weight.data.copy_(self.stream_weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernels is not None and x.dim() == 2 and x.shape[0] <= self.SMALL_ROWS:
+        if self.kernels is not None and x.dim() == 2 and x.shape[0] <= FEW_ROWS_MAX:
             out = x.new_empty(x.shape[0], self.out_features)
             if self.kernels.linear_small(out, x, self.stream_weight, self.bias):
                 return out
@@ -329,7 +317,7 @@ class CausalLM(nn.Module):
                 if module.stream_weight is None and module.weight.device.type != "meta":
                     module.stream_weight = module.weight.detach()  # a plain view: no second Parameter
                 stream = module.stream_weight
-                runs = stream is not None and few_row_linear_runs(kernels, self.config.dtype, stream.dtype)
+                runs = stream is not None and has_few_row_linear(kernels, self.config.dtype, stream.dtype)
                 module.kernels = kernels if runs else None
 
     def init_rope(self, max_len: int) -> None:

@@ -12,10 +12,10 @@ import torch
 from threefold.cpu import cpu_info
 from threefold.env import Env
 from threefold.errors import ModelNotFoundError, ThreefoldError
-from threefold.kernels import cpu_kernels
+from threefold.kernels import cpu_kernels, has_few_row_linear
 from threefold.model import gguf_loader, hf_loader
 from threefold.model.config import ModelArchConfig
-from threefold.model.llama import CausalLM, few_row_linear_runs
+from threefold.model.llama import CausalLM
 from threefold.model.precision import Precision, resolve_precision
 from threefold.model.tokenizer import Tokenizer
 from threefold.model.weights import TensorSource, fused_state_dict
@@ -46,7 +46,7 @@ class LoadedModel:
 def choose_precision(requested: str, checkpoint: torch.dtype, device: str) -> tuple[Precision, ModuleType | None]:
     """The precision for `requested` on this machine, and the CPU kernels the model will use."""
     kernels = cpu_kernels() if torch.device(device).type == "cpu" else None
-    mixed_kernel = few_row_linear_runs(kernels, torch.float32, torch.bfloat16)
+    mixed_kernel = has_few_row_linear(kernels, torch.float32, torch.bfloat16)
     return resolve_precision(requested, checkpoint, device, cpu_info(), mixed_kernel), kernels
 
 
@@ -79,7 +79,7 @@ def build_model(config: ModelArchConfig, source: TensorSource, max_len: int, dev
     if precision.mixed:
         model.store_bf16()
     # the few-row kernel streams the plain weights, where it runs over them
-    model.pack_weights(keep_plain=few_row_linear_runs(kernels, precision.compute, precision.weights))
+    model.pack_weights(keep_plain=has_few_row_linear(kernels, precision.compute, precision.weights))
     model.use_kernels(kernels)
     model.init_rope(max_len)
     return model
