@@ -52,7 +52,7 @@ class Precision:
     @property
     def name(self) -> str:
         """The `dtype` value that selects this precision explicitly."""
-        if self.weights != self.compute:
+        if self.mixed:
             return BF16_WEIGHTS
         return str(self.compute).removeprefix("torch.")
 
