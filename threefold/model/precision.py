@@ -15,6 +15,11 @@ halves them for the few-row path. Batches of more rows reuse each weight and
 want MKL's fp32 GEMM, so bf16-weights also keeps an fp32 copy, upcast from the
 bf16 weight: both paths multiply identical values, and a request's greedy tokens
 do not depend on which path its batch took (batch invariance).
+
+Measured on a 2-vCPU AMD EPYC (avx2), shared: one pass over SmolLM2's 30 layers at one
+row took 34 ms streaming bf16 weights against 49 ms for MKL's fp32 GEMV (1.46x; 2.96x at
+two rows); batch-1 decode ran 1.10x float32 and offline throughput was level with it,
+at 1.5x float32's weight memory (770 against 513 MiB for SmolLM2-135M).
 """
 
 from __future__ import annotations
