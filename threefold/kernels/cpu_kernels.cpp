@@ -20,10 +20,9 @@
 // silu_and_mul -- silu(gate) * up from the fused gate_up projection.
 // All three compute in fp32 and round once to the storage dtype.
 
-// threefold-exports: paged_decode_attention add_rms_norm rotary_embedding silu_and_mul set_amx linear_small argmax_rows
+// threefold-exports: paged_decode_attention add_rms_norm rotary_embedding silu_and_mul set_amx
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "kernel_common.h"
 
 #include <atomic>
 
@@ -35,23 +34,9 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+using threefold::to_float;
 
 namespace {
-
-template <typename T>
-inline float to_float(T x) { return static_cast<float>(x); }
-
-// bf16 is the top half of an fp32: widen by a shift (vectorizes, unlike a call).
-template <>
-inline float to_float<at::BFloat16>(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 // D > 0: head_dim known at compile time (fully unrolled, vectorized without
 // epilogues); D == 0: the runtime `d`.
@@ -186,8 +171,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
 
 }  // namespace
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define THREEFOLD_AMX 1
+#ifdef THREEFOLD_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -608,164 +592,4 @@ bool set_amx(bool enable) {
   (void)enable;
   return false;
 #endif
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-namespace {
-
-// One 16-row block of W against one row of x: acc[r] = sum_k x[k] w[r, k], the K axis
-// folded into 16 fp32 lanes per row (bf16: dpbf16 on pairs where the CPU has it).
-template <typename T>
-inline void block_dot(const T* __restrict w, int64_t k_dim, int64_t rows, const T* __restrict x, float* res,
-                      const T* ahead, int64_t ahead_rows) {
-  __m512 acc[16];
-  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-  constexpr int64_t kStep = std::is_same_v<T, float> ? 16 : 32;  // elements per 64-byte load
-  for (int64_t k = 0; k < k_dim; k += kStep) {
-    for (int64_t r = 0; r < ahead_rows; ++r)  // the same columns of a later block
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + r * k_dim + k), _MM_HINT_T0);
-    const int64_t left = k_dim - k;
-    if constexpr (std::is_same_v<T, float>) {
-      const __mmask16 m = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
-      const __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
-      for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + r * k_dim + k), xv, acc[r]);
-    } else {
-      const __mmask32 m = left >= 32 ? __mmask32(0xffffffffu) : __mmask32((1ull << left) - 1);
-      const __m512i xv = _mm512_maskz_loadu_epi16(m, x + k);
-      for (int64_t r = 0; r < rows; ++r) {
-        const __m512i wv = _mm512_maskz_loadu_epi16(m, w + r * k_dim + k);
-#ifdef __AVX512BF16__
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)wv, (__m512bh)xv);
-#else   // widen each half: bf16 is the top 16 bits of an fp32
-        const __m512 wl = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(wv)), 16));
-        const __m512 wh = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(wv, 1)), 16));
-        const __m512 xl = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(xv)), 16));
-        const __m512 xh = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(xv, 1)), 16));
-        acc[r] = _mm512_fmadd_ps(wh, xh, _mm512_fmadd_ps(wl, xl, acc[r]));
-#endif
-      }
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) res[r] = _mm512_reduce_add_ps(acc[r]);
-}
-
-template <typename T>
-void linear_small_impl(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const T* bias) {
-  const int64_t m_dim = x.size(0), k_dim = x.size(1), n_dim = w.size(0);
-  const T* xp = x.data_ptr<T>();
-  const T* wp = w.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const int64_t x_stride = x.stride(0), o_stride = out.stride(0);
-  const int64_t num_blocks = (n_dim + 15) / 16;
-  constexpr int64_t kAhead = 1;  // the block whose columns are prefetched alongside (1 beat 2 and 4, measured)
-  at::parallel_for(0, num_blocks, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; ++nb) {
-      const int64_t ahead_rows = nb + kAhead < end ? std::min<int64_t>(16, n_dim - (nb + kAhead) * 16) : 0;
-      const int64_t rows = std::min<int64_t>(16, n_dim - nb * 16);
-      for (int64_t m = 0; m < m_dim; ++m) {
-        float res[16];
-        block_dot<T>(wp + nb * 16 * k_dim, k_dim, rows, xp + m * x_stride, res, wp + (nb + kAhead) * 16 * k_dim,
-                     m == 0 ? ahead_rows : 0);
-        T* dst = op + m * o_stride + nb * 16;
-        for (int64_t r = 0; r < rows; ++r)
-          dst[r] = static_cast<T>(res[r] + (bias != nullptr ? to_float(bias[nb * 16 + r]) : 0.f));
-      }
-    }
-  });
-}
-
-}  // namespace
-#endif
-
-// out [M, N] = x [M, K] @ w[N, K]^T (+ bias [N]) for the few-row case (decode at batch 1-2):
-// a plain streaming pass over W, which is what bounds it, with W prefetched ahead. oneDNN
-// is better from a few rows up, where W is reused across rows. Returns false (nothing
-// written) where this build has no AVX-512 or the inputs don't fit; the caller falls back.
-bool linear_small(at::Tensor out, at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  if (x.dim() != 2 || w.dim() != 2 || out.dim() != 2 || x.size(1) != w.size(1) || out.size(0) != x.size(0) ||
-      out.size(1) != w.size(0) || x.stride(1) != 1 || out.stride(1) != 1 || !w.is_contiguous() ||
-      x.scalar_type() != w.scalar_type() || out.scalar_type() != w.scalar_type())
-    return false;
-  if (bias.has_value() && (!bias->is_contiguous() || bias->scalar_type() != w.scalar_type() || bias->numel() != w.size(0)))
-    return false;
-  if (w.scalar_type() == at::kBFloat16) {
-    linear_small_impl<at::BFloat16>(out, x, w, bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr);
-    return true;
-  }
-  if (w.scalar_type() == at::kFloat) {
-    linear_small_impl<float>(out, x, w, bias.has_value() ? bias->data_ptr<float>() : nullptr);
-    return true;
-  }
-#endif
-  return false;
-}
-
-namespace {
-
-template <typename T>
-int64_t row_argmax(const T* row, int64_t n) {
-  // The first index of the maximum; a NaN wins (as torch.max reports one), the first NaN.
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __mmask16 nan_seen = 0;
-  auto load = [&](int64_t i, __mmask16 m) {
-    if constexpr (std::is_same_v<T, float>) return _mm512_maskz_loadu_ps(m, row + i);
-    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row + i)), 16));
-  };
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
-    const __m512 v = load(i, m);
-    nan_seen |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
-    best = _mm512_mask_max_ps(best, m, best, v);
-  }
-  const float mx = _mm512_reduce_max_ps(best);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
-    const __m512 v = load(i, m);
-    const __mmask16 hit = nan_seen ? _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q)
-                                   : _mm512_mask_cmp_ps_mask(m, v, _mm512_set1_ps(mx), _CMP_EQ_OQ);
-    if (hit) return i + __builtin_ctz(hit);
-  }
-  return 0;
-#else
-  // -ffast-math lets std::isnan fold to false: test the bits.
-  auto is_nan = [](float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof(bits));
-    return (bits & 0x7fffffffu) > 0x7f800000u;
-  };
-  int64_t arg = 0;
-  float best = to_float(row[0]);
-  for (int64_t i = 1; i < n && !is_nan(best); ++i) {
-    const float v = to_float(row[i]);
-    if (is_nan(v) || v > best) best = v, arg = i;
-  }
-  return arg;
-#endif
-}
-
-}  // namespace
-
-// Row-wise argmax of logits [N, V] (rows contiguous; float32 or bfloat16) -> [N] int64, the
-// first index on ties, as torch.argmax. A greedy step's sampling is only this, and torch's
-// reduction reads bf16 at a few GB/s.
-at::Tensor argmax_rows(at::Tensor logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0, "argmax_rows: logits [N, V > 0]");
-  auto out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
-  int64_t* dst = out.data_ptr<int64_t>();
-  const int64_t n = logits.size(1), stride = logits.stride(0);
-  if (logits.scalar_type() == at::kBFloat16) {
-    const at::BFloat16* src = logits.data_ptr<at::BFloat16>();
-    at::parallel_for(0, logits.size(0), 1, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) dst[r] = row_argmax(src + r * stride, n);
-    });
-  } else {
-    TORCH_CHECK(logits.scalar_type() == at::kFloat, "argmax_rows supports float32 and bfloat16");
-    const float* src = logits.data_ptr<float>();
-    at::parallel_for(0, logits.size(0), 1, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) dst[r] = row_argmax(src + r * stride, n);
-    });
-  }
-  return out;
 }
