@@ -116,10 +116,14 @@ def build_batch(states: list[CachedRequestState], num_scheduled: dict[str, int],
             sampling.append(state)
     # Every token's position and block-table row, in one vector pass.
     rows = torch.tensor([s.row for s in order], dtype=torch.long)
-    lens_t = torch.tensor(lens, dtype=torch.long)
-    offsets = torch.tensor([s.num_computed_tokens - q for s, q in zip(order, starts)], dtype=torch.long)
-    positions = torch.arange(len(input_ids), dtype=torch.long) + offsets.repeat_interleave(lens_t)  # [T]
-    slots = block_table.slot_mapping(rows.repeat_interleave(lens_t), positions)
+    if len(input_ids) == len(order):  # decodes only: one token per request at its context length
+        token_rows, positions = rows, torch.tensor([s.num_computed_tokens for s in order], dtype=torch.long)
+    else:
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        offsets = torch.tensor([s.num_computed_tokens - q for s, q in zip(order, starts)], dtype=torch.long)
+        token_rows = rows.repeat_interleave(lens_t)
+        positions = torch.arange(len(input_ids), dtype=torch.long) + offsets.repeat_interleave(lens_t)  # [T]
+    slots = block_table.slot_mapping(token_rows, positions)
     attn = _attention_metadata(order, starts, lens, rows, slots, block_table, device, sliding_window, native_decode)
     return StepBatch(torch.tensor(input_ids, device=device), positions.to(device), attn,
                      order, starts, lens, sample_rows, sampling)
