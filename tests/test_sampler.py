@@ -27,7 +27,8 @@ def build(params, outputs=None, prompts=None, generators=None, vocab=VOCAB, eos=
     n = len(params)
     prompts = prompts if prompts is not None else [[] for _ in range(n)]
     outputs = outputs if outputs is not None else [[] for _ in range(n)]
-    counts = [TokenCounts.for_params(p, prompt, output, vocab, "cpu") for p, prompt, output in zip(params, prompts, outputs)]
+    counts = [TokenCounts.for_params(p, prompt, output, vocab, "cpu")
+              for p, prompt, output in zip(params, prompts, outputs)]
     return SamplingMetadata.build(params, [len(o) for o in outputs], counts, generators or {}, list(eos), vocab, "cpu")
 
 

@@ -60,7 +60,8 @@ class StatLogger:
         """A request was accepted by the engine."""
 
     def on_step(self, stats: Any, outputs: Sequence[RequestOutput], now: float) -> None:
-        """After each engine step (outputs may be empty) or command batch; `stats` is EngineStats."""
+        """After each engine step (outputs may be empty) or command batch; `stats` is EngineStats.
+        `outputs` are deltas (RequestOutputKind.DELTA): each carries only that step's news."""
 
     def on_aborted(self, request_ids: Sequence[str], now: float) -> None:
         """Live requests that were aborted (they produce no further outputs)."""
