@@ -270,7 +270,7 @@ def test_argmax_rows_matches_torch_argmax(kernels, dtype):
     assert kernels.argmax_rows(logits)[:5].tolist() == [7, 49156, 77, 0, 0]
     short = torch.randn(5, 37, generator=gen).to(dtype)
     assert torch.equal(kernels.argmax_rows(short), short.argmax(-1))
-    greedy = SamplingMetadata.build([SamplingParams(temperature=0.0)] * 9, [[1]] * 9, [[]] * 9, {}, [2],
+    greedy = SamplingMetadata.build([SamplingParams(temperature=0.0)] * 9, [0] * 9, [None] * 9, {}, [2],
                                     logits.shape[-1], torch.device("cpu"))
     assert torch.equal(Sampler(kernels)(logits, greedy).sampled_token_ids, logits.argmax(-1))
 
