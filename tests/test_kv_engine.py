@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from prompts import PROMPTS
 from threefold.sample.params import SamplingParams
+
+from prompts import PROMPTS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 CODECS = ["int8", "fp8", "fp8_e5m2", "int4"]
@@ -26,8 +27,8 @@ def assert_matches(got: list[list[int]], reference: list[list[int]], min_prefix:
     1.7 (fp8), 6.6 (int4). So: the first 4 tokens of at least `min_prefix` of the 16 prompts,
     and all but 2 prompts whole."""
     assert len(got) == len(reference)
-    assert sum(g[:4] == r[:4] for g, r in zip(got, reference)) >= min_prefix, (got, reference)
-    assert sum(g == r for g, r in zip(got, reference)) >= len(reference) - 2, (got, reference)
+    assert sum(g[:4] == r[:4] for g, r in zip(got, reference, strict=True)) >= min_prefix, (got, reference)
+    assert sum(g == r for g, r in zip(got, reference, strict=True)) >= len(reference) - 2, (got, reference)
 
 
 @pytest.fixture(scope="module", params=CODECS)

@@ -70,7 +70,7 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
         request_ids = []
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
                 request_id = str(next(self._ids))
                 # Only the finished outputs are read: no per-step copies of growing completions.
                 self.engine.add_request(request_id, _prompt_input(prompt), p, priority[i] if priority else 0,

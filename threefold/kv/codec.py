@@ -99,7 +99,7 @@ class DenseCodec(KVCodec):
         flat[1].index_copy_(0, slot_mapping, v.to(self.compute_dtype))
 
     def read(self, storage: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        num_seqs, num_blocks = block_table.shape
+        num_seqs = block_table.shape[0]
         # index_select copies ~5x faster than advanced indexing on CPU (measured).
         kv = storage.index_select(1, block_table.flatten())  # [2, B * nb, block_size, kvh, d]
         kv = kv.view(2, num_seqs, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)

@@ -19,11 +19,23 @@ from threefold.engine.outputs import CompletionOutput, RequestOutput
 from threefold.errors import ThreefoldError
 from threefold.server.logprobs import LegacyLogprobs, concat_legacy
 from threefold.server.protocol import CompletionRequest
-from threefold.server.serving_common import (ServerState, guarded_sse, check_model, check_stream_options,
-                                             check_token_ids, final_output, merge_streams, now_s, random_id,
-                                             raise_if_failed, sampling_params, sse, submit, unless_disconnected,
-                                             usage)
-
+from threefold.server.serving_common import (
+    ServerState,
+    check_model,
+    check_stream_options,
+    check_token_ids,
+    final_output,
+    guarded_sse,
+    merge_streams,
+    now_s,
+    raise_if_failed,
+    random_id,
+    sampling_params,
+    sse,
+    submit,
+    unless_disconnected,
+    usage,
+)
 
 
 @dataclass
@@ -93,7 +105,7 @@ def _generated(plan: _Plan, completion: CompletionOutput) -> tuple[str, list[int
 
 def _response(state: ServerState, plan: _Plan, finals: list[RequestOutput]) -> dict:
     choices, num_generated = [], 0
-    for prompt_index, (prompt, output) in enumerate(zip(plan.prompts, finals)):
+    for prompt_index, (prompt, output) in enumerate(zip(plan.prompts, finals, strict=True)):
         for completion in output.outputs:
             text, token_ids, positions = _generated(plan, completion)
             num_generated += len(token_ids)

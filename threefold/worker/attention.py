@@ -84,7 +84,7 @@ class PagedAttention:
         meta = self.meta
         self.cache.write(layer_idx, meta.slot_mapping, k, v)
         out = torch.empty_like(q)
-        for group, mask in zip(meta.decode_groups, self.decode_masks):
+        for group, mask in zip(meta.decode_groups, self.decode_masks, strict=True):
             span = slice(group.query_start, group.query_start + group.num_seqs)
             self._decode(layer_idx, q[span], group, mask, out[span])
         for chunk in meta.prefills:
