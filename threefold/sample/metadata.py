@@ -169,8 +169,8 @@ def _min_tokens_mask(
     for row, (p, num_output) in enumerate(zip(params, num_output_tokens, strict=True)):
         if num_output >= p.min_tokens:
             continue
-        stop_ids = set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(eos_token_ids))
-        stop_ids = sorted(t for t in stop_ids if t < vocab_size)
+        stops = set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(eos_token_ids))
+        stop_ids = sorted(t for t in stops if t < vocab_size)
         if stop_ids:
             mask[row] = stop_ids
     return mask

@@ -55,6 +55,7 @@ class ModelRunner:
         batch = build_batch(states, sched.num_scheduled_tokens, sched.scheduled_spec_token_ids,
                             self.requests.block_table, self.device, self.config.sliding_window,
                             native_decode=self.kernels is not None)
+        assert self.kv_cache is not None, "initialize_kv_cache() before execute()"
         attention = PagedAttention(self.kv_cache, batch.attn, self.config.head_dim ** -0.5, self.config.dtype,
                                    self.kernels)
         hidden = self.model(batch.input_ids, batch.positions, attention)
