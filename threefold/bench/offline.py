@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from threefold.bench.datasets import Session
+from threefold.bench.datasets import SampleRequest, Session
 from threefold.bench.peers import best_dtype, convert, converted_dir, is_installed, venv_python
 from threefold.bench.report import cpu_record
 from threefold.bench.serve import build_workload
@@ -37,7 +37,7 @@ def token_workload(args: argparse.Namespace) -> list[dict]:
     if workload and isinstance(workload[0], Session):
         raise ThreefoldError("offline throughput takes single-turn datasets, not sessions", param="dataset")
     return [{"prompt_token_ids": r.prompt if isinstance(r.prompt, list) else tokenizer.encode(r.prompt),
-             "max_tokens": r.max_tokens} for r in workload]
+             "max_tokens": r.max_tokens} for r in workload if isinstance(r, SampleRequest)]  # all are: checked above
 
 
 def _hf_dir(model: str) -> Path:

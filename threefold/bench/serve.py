@@ -136,9 +136,9 @@ async def run_serve(args: argparse.Namespace) -> dict:
     started = datetime.datetime.now(datetime.UTC).isoformat()
     skipped = 0
     if sessions:
-        results, duration, skipped = await run_sessions(workload, cfg)
-    else:
-        results, duration = await run_requests(workload, cfg)
+        results, duration, skipped = await run_sessions([s for s in workload if isinstance(s, Session)], cfg)
+    else:  # the dataset decides the kind: the filters keep every item
+        results, duration = await run_requests([r for r in workload if isinstance(r, SampleRequest)], cfg)
     summary = summarize(results, duration, SLO(args.slo_ttft, args.slo_tpot), skipped)
     config = {**vars(args), "model": model, "endpoint": endpoint}
     doc = result_document(config, args.label or model, workload_stats(workload), results, summary)

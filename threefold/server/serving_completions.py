@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -59,12 +60,18 @@ class _Plan:
 
 def _prompts(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
     raw = req.prompt
-    if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
-        raw = [raw]  # type: ignore[list-item]
-    if not raw:
+    # The request model validated the union: a list whose first item is an int is all ints.
+    items: list[str] | list[list[int]]
+    if isinstance(raw, str):
+        items = [raw]
+    elif raw and isinstance(raw[0], int):
+        items = [list(raw)]  # one prompt of token ids
+    else:
+        items = cast("list[str] | list[list[int]]", raw)
+    if not items:
         raise ThreefoldError("prompt must not be empty.", param="prompt")
     prompts = []
-    for item in raw:
+    for item in items:
         if isinstance(item, str):
             prompts.append(_Prompt(item, state.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)))
         else:
