@@ -27,9 +27,9 @@ from tests.prompts import PROMPTS  # the engine tests' 16 varied prompts
 
 def compare(name: str, ours: list, theirs: list) -> None:
     identical, diverge, diffs = 0, [], []
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):  # same prompts, same order
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+        n = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), len(ta))
         identical += n == len(ta)
         diverge.append(n)
         diffs += [abs(a.outputs[0].logprobs[i][ta[i]].logprob - b.outputs[0].logprobs[i][tb[i]].logprob)

@@ -46,6 +46,7 @@ Writes DIR/decode.json (every run) and DIR/decode.md (the table).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -256,10 +257,8 @@ def run_one(cfg: dict, args, gguf: str, hf_dir: str, peers: Path, prompt_ids, wa
         except subprocess.TimeoutExpired:
             pass
         finally:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             proc.wait()
             spec_path.unlink(missing_ok=True)
     output = out_path.read_text(errors="replace")
@@ -277,7 +276,7 @@ def _agree(tokens: list[int], ref: list[int] | None) -> int | None:
     if ref is None:
         return None
     n = 0
-    for a, b in zip(tokens, ref):
+    for a, b in zip(tokens, ref, strict=False):  # either may stop first
         if a != b:
             break
         n += 1

@@ -13,6 +13,7 @@ Prints the CPU and its class with every run; times are medians (ms).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -79,9 +80,9 @@ def bench_argmax(kernels, reps: int) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for m in (1, 8, 64):
             logits = torch.randn(m, VOCAB).to(dtype)
-            ours = median_ms(lambda: kernels.argmax_rows(logits), reps * 5)
-            theirs = median_ms(lambda: logits.argmax(-1), reps * 5)
-            print(f"  {str(dtype):>14} M={m:<3} kernel {ours:.3f}  torch {theirs:.3f}  ({theirs / ours:.1f}x)")
+            ours = median_ms(functools.partial(kernels.argmax_rows, logits), reps * 5)
+            theirs = median_ms(functools.partial(logits.argmax, -1), reps * 5)
+            print(f"  {dtype!s:>14} M={m:<3} kernel {ours:.3f}  torch {theirs:.3f}  ({theirs / ours:.1f}x)")
 
 
 def bench_attention(kernels, reps: int) -> None:
@@ -96,10 +97,10 @@ def bench_attention(kernels, reps: int) -> None:
             lens = torch.full((batch,), context, dtype=torch.long)
             q = torch.randn(batch, heads, head_dim).to(dtype)
             out = torch.empty_like(q)
-            ms = median_ms(lambda: kernels.paged_decode_attention(out, q, cache[0], cache[1], tables, lens,
-                                                                  head_dim ** -0.5, 0), reps)
+            ms = median_ms(lambda out=out, q=q, cache=cache, tables=tables, lens=lens: kernels.paged_decode_attention(
+                out, q, cache[0], cache[1], tables, lens, head_dim ** -0.5, 0), reps)
             kv_bytes = 2 * batch * context * kv_heads * head_dim * cache.element_size()
-            print(f"  {str(dtype):>14} context {context:>5}: {ms:7.3f} ms  {kv_bytes / ms / 1e6:6.1f} GB/s")
+            print(f"  {dtype!s:>14} context {context:>5}: {ms:7.3f} ms  {kv_bytes / ms / 1e6:6.1f} GB/s")
 
 
 def bench_elementwise(kernels, reps: int) -> None:
@@ -108,13 +109,13 @@ def bench_elementwise(kernels, reps: int) -> None:
         for m in (1, 16):
             gate_up = torch.randn(m, 2 * INTER).to(dtype)
             act = torch.empty(m, INTER, dtype=dtype)
-            silu_k = median_ms(lambda: kernels.silu_and_mul(act, gate_up), reps * 5)
-            silu_t = median_ms(lambda: F.silu(gate_up[:, :INTER]) * gate_up[:, INTER:], reps * 5)
+            silu_k = median_ms(functools.partial(kernels.silu_and_mul, act, gate_up), reps * 5)
+            silu_t = median_ms(lambda gate_up=gate_up: F.silu(gate_up[:, :INTER]) * gate_up[:, INTER:], reps * 5)
             x, res = (torch.randn(m, HIDDEN).to(dtype) for _ in range(2))
             w = torch.rand(HIDDEN).to(dtype)
-            norm_k = median_ms(lambda: kernels.add_rms_norm(x, res, w, 1e-5, True), reps * 5)
-            norm_t = median_ms(lambda: F.rms_norm(x + res, (HIDDEN,), w, 1e-5), reps * 5)
-            print(f"  {str(dtype):>14} M={m:<3} silu_and_mul {silu_k:.4f} / {silu_t:.4f}"
+            norm_k = median_ms(functools.partial(kernels.add_rms_norm, x, res, w, 1e-5, True), reps * 5)
+            norm_t = median_ms(lambda x=x, res=res, w=w: F.rms_norm(x + res, (HIDDEN,), w, 1e-5), reps * 5)
+            print(f"  {dtype!s:>14} M={m:<3} silu_and_mul {silu_k:.4f} / {silu_t:.4f}"
                   f"   add_rms_norm {norm_k:.4f} / {norm_t:.4f}")
 
 

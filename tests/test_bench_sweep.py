@@ -42,7 +42,8 @@ def test_sweep_runs_every_server_and_point(tmp_path):
         assert doc["summary"]["completed"] == 4 and doc["label"] == name.split("_")[0]
         assert doc["config"]["max_concurrency"] == int(name.split("_")[1][1:])
         assert str(FAKE) in doc["config"]["server_command"]
-        assert doc["cpu"] == json.loads(json.dumps(cpu_info().as_dict()))  # the servers ran here: this CPU, class and threads
+        # the servers ran here: this CPU, class and threads
+        assert doc["cpu"] == json.loads(json.dumps(cpu_info().as_dict()))
     # a fresh sample of prompts per point, the same sample per point on every server
     assert [docs[f"{label}_c{c}_round0.json"]["config"]["seed"] for label in ("fast", "slow") for c in (1, 2)] \
         == [0, 1000, 0, 1000]

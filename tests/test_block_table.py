@@ -50,7 +50,7 @@ def _check_batch(batch, num_scheduled, block_ids) -> None:
         width = group.block_table.shape[1]
         assert group.block_table.tolist() == [_rebuilt_table(block_ids[s.request_id], width) for s in members]
     prefills = batch.order[len(batch.order) - len(batch.attn.prefills):]
-    for state, chunk in zip(prefills, batch.attn.prefills):
+    for state, chunk in zip(prefills, batch.attn.prefills, strict=True):
         num_blocks = -(-(chunk.context_len + chunk.query_len) // BLOCK)
         assert chunk.block_table.tolist() == [block_ids[state.request_id][:num_blocks]]
 

@@ -13,8 +13,6 @@ import logging
 
 import pytest
 import torch
-from model_fixtures import greedy, smollm2_gguf_path
-from prompts import PROMPTS
 
 import threefold.model.loader as loader
 from threefold.cpu import CpuInfo
@@ -26,6 +24,9 @@ from threefold.model.llama import Linear
 from threefold.model.loader import load_model
 from threefold.model.precision import resolve_precision
 from threefold.sample.params import SamplingParams
+
+from model_fixtures import greedy, smollm2_gguf_path
+from prompts import PROMPTS
 
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -82,7 +83,7 @@ def test_explicit_bf16_warns_only_without_native_bf16():
 def test_gpu_keeps_the_checkpoint_dtype_and_bad_dtypes_are_clear():
     assert choice("auto", FP16, AVX2, device="cuda") == (FP16, FP16)
     assert choice("auto", BF16, AVX2, device="cuda") == (BF16, BF16)
-    with pytest.raises(ThreefoldError, match="unsupported dtype 'int8'.*auto, float32, bfloat16") as err:
+    with pytest.raises(ThreefoldError, match=r"unsupported dtype 'int8'.*auto, float32, bfloat16") as err:
         resolve_precision("int8", FP32, "cpu", AVX2, True)
     assert err.value.param == "dtype"
     with pytest.raises(ThreefoldError, match="float16 is not supported on CPU"):

@@ -77,7 +77,7 @@ def _reference_decode(q, k_cache, v_cache, tables, lens, scale, window):
     return out
 
 
-_ATTENTION_SHAPES = pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "window"), [
+_ATTENTION_SHAPES = pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
     (9, 3, 64, 16, 0),     # SmolLM2's shape
     (14, 2, 64, 16, 0),    # Qwen2.5-0.5B's grouping
     (4, 4, 128, 4, 0),     # no GQA, the other specialized head_dim, small blocks
@@ -196,8 +196,8 @@ def test_packed_bf16_linear_is_bit_exact(rows):
 _F32, _BF16 = torch.float32, torch.bfloat16
 
 
-@pytest.mark.parametrize(("x_dtype", "w_dtype"), [(_F32, _F32), (_BF16, _BF16), (_F32, _BF16)])
-@pytest.mark.parametrize(("rows", "out_features", "in_features", "bias"), [
+@pytest.mark.parametrize("x_dtype,w_dtype", [(_F32, _F32), (_BF16, _BF16), (_F32, _BF16)])
+@pytest.mark.parametrize("rows,out_features,in_features,bias", [
     (1, 960, 576, True),     # SmolLM2's qkv at batch 1
     (2, 576, 1536, False),   # its down projection at batch 2
     (1, 35, 50, True),       # a partial row block and a partial K chunk
@@ -293,9 +293,9 @@ def test_engine_with_kernels_matches_the_torch_path(make_llm, smollm2_fp32, nati
     finally:
         smollm2_fp32.model.use_kernels(kernels)
         runner.kernels = kernels
-    for a, b in zip(native, plain):
+    for a, b in zip(native, plain, strict=True):
         ids = a.outputs[0].token_ids
         assert ids == b.outputs[0].token_ids
-        ours = [position[t].logprob for t, position in zip(ids, a.outputs[0].logprobs)]
-        theirs = [position[t].logprob for t, position in zip(ids, b.outputs[0].logprobs)]
+        ours = [position[t].logprob for t, position in zip(ids, a.outputs[0].logprobs, strict=True)]
+        theirs = [position[t].logprob for t, position in zip(ids, b.outputs[0].logprobs, strict=True)]
         assert ours == pytest.approx(theirs, abs=1e-3)

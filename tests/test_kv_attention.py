@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from threefold.env import Env
 from threefold.kernels import cpu_kernels
@@ -60,7 +59,7 @@ def _tolerance(dtype):
 
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "window"), [
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
     (9, 3, 64, 16, 0),     # SmolLM2's shape
     (14, 2, 64, 16, 0),    # Qwen2.5-0.5B's grouping
     (4, 4, 128, 4, 0),     # no GQA, the other specialized head_dim, small blocks

@@ -22,7 +22,7 @@ def test_every_schema_has_a_codec():
     assert set(ALIASES.values()) <= set(CODECS)
 
 
-@pytest.mark.parametrize(("text", "canonical"), [
+@pytest.mark.parametrize("text,canonical", [
     ("auto", "auto"), ("INT8", "int8"), ("fp8", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2"),
     ("int4", "int4:group=32"), ("int4:group=16", "int4:group=16"), (" int4 : group = 64 ", "int4:group=64"),
 ])
@@ -30,7 +30,7 @@ def test_spec_canonical_text(text, canonical):
     assert str(parse_kv_spec(text)) == canonical
 
 
-@pytest.mark.parametrize(("text", "needle"), [
+@pytest.mark.parametrize("text,needle", [
     ("int3", "choices: auto, fp8, fp8_e4m3, fp8_e5m2, int4, int8"),
     ("int4:group", "malformed"),
     ("int4:group=", "malformed"),
@@ -194,4 +194,5 @@ def test_capacity_rows_follow_bytes():
     assert rows["auto"]["bytes_per_token"] == 2 * 30 * 3 * 64 * 2
     assert rows["int8"]["bytes_per_token"] == 2 * 30 * 3 * (64 + 4)
     assert rows["int4:group=32"]["bytes_per_token"] == 2 * 30 * 3 * (32 + 2 * 2 * 4)
-    assert rows["int4:group=32"]["capacity_tokens"] == (256 << 20) // (16 * rows["int4:group=32"]["bytes_per_token"]) * 16
+    int4 = rows["int4:group=32"]
+    assert int4["capacity_tokens"] == (256 << 20) // (16 * int4["bytes_per_token"]) * 16

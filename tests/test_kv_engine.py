@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from prompts import PROMPTS
 from threefold.sample.params import SamplingParams
+
+from prompts import PROMPTS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 CODECS = ["int8", "fp8", "fp8_e5m2", "int4"]

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from model_fixtures import DenseCacheAttention
-from prompts import PROMPTS
 from threefold.engine.outputs import RequestOutputKind, merge_deltas
 from threefold.sample.params import SamplingParams
+
+from model_fixtures import DenseCacheAttention
+from prompts import PROMPTS
 
 
 def _run(engine, requests: dict[str, tuple[str, SamplingParams, RequestOutputKind]]) -> dict[str, list]:

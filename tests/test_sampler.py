@@ -28,7 +28,7 @@ def build(params, outputs=None, prompts=None, generators=None, vocab=VOCAB, eos=
     prompts = prompts if prompts is not None else [[] for _ in range(n)]
     outputs = outputs if outputs is not None else [[] for _ in range(n)]
     counts = [TokenCounts.for_params(p, prompt, output, vocab, "cpu")
-              for p, prompt, output in zip(params, prompts, outputs)]
+              for p, prompt, output in zip(params, prompts, outputs, strict=True)]
     return SamplingMetadata.build(params, [len(o) for o in outputs], counts, generators or {}, list(eos), vocab, "cpu")
 
 
@@ -223,7 +223,7 @@ def test_counts_kept_token_by_token_match_a_recount():
     prompts = [[1, 2, 2, 40], [5, 63]]
     params = [SamplingParams(repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=0.2),
               SamplingParams(frequency_penalty=-0.5)]
-    counts = [TokenCounts.for_params(p, prompt, [], VOCAB, "cpu") for p, prompt in zip(params, prompts)]
+    counts = [TokenCounts.for_params(p, prompt, [], VOCAB, "cpu") for p, prompt in zip(params, prompts, strict=True)]
     outputs = [[], []]
     for step, new in enumerate([(7, 9), (7, 9), (2, 5), (63, 9), (40, 40)]):
         for row, token in enumerate(new):

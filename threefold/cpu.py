@@ -47,7 +47,8 @@ class CpuInfo:
 
 @functools.cache
 def _proc_cpuinfo() -> tuple[str, frozenset[str]]:
-    model, flags = platform.processor() or platform.machine(), frozenset()
+    model = platform.processor() or platform.machine()
+    flags: frozenset[str] = frozenset()
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -80,8 +80,8 @@ async def _read_stream(response: httpx.Response, result: RequestResult, chat: bo
     num_chunks, last, clean = 0, t0, False
     first_choice: float | None = None
     usage: dict | None = None
-    async for line in response.aiter_lines():
-        line = line.strip()
+    async for raw_line in response.aiter_lines():
+        line = raw_line.strip()
         if not line.startswith("data:"):
             continue
         payload = line[5:].strip()

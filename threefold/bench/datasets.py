@@ -82,6 +82,12 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def _decode(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    text = tokenizer.decode(ids)
+    assert isinstance(text, str)  # one id list decodes to one string
+    return text
+
+
 def _num_tokens(tokenizer: PreTrainedTokenizerBase, text: str, cap: int) -> int:
     """min(token count, cap), encoding only a head of the text when that settles it.
 
@@ -198,6 +204,6 @@ def load_random(num: int, tokenizer: PreTrainedTokenizerBase, input_len: int, ou
     requests = []
     for i in range(num):
         ids = [rng.choice(pool) for _ in range(input_len)]
-        prompt: str | list[int] = ids if mode == "tokens" else tokenizer.decode(ids)
+        prompt: str | list[int] = ids if mode == "tokens" else _decode(tokenizer, ids)
         requests.append(SampleRequest(prompt, input_len, output_len, f"random-{i}"))
     return requests

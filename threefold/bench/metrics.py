@@ -128,8 +128,8 @@ def format_summary(summary: dict) -> str:
     lines = [
         f"requests: {summary['completed']} ok, {summary['failed']} failed in {summary['duration_s']:.2f} s",
         f"request throughput: {summary['request_throughput']:.3f} req/s",
-        f"output tokens/s: {summary['output_throughput']:.2f}   total tokens/s: "
-        f"{summary['total_token_throughput']:.2f}",
+        (f"output tokens/s: {summary['output_throughput']:.2f}   total tokens/s: "
+         f"{summary['total_token_throughput']:.2f}"),
     ]
     for name in ("ttft", "tpot", "itl", "e2e"):
         dist = summary[name]

@@ -94,7 +94,7 @@ def is_installed(peer: str) -> bool:
 def _run_logged(cmd: list[str], log, env: dict[str, str] | None = None) -> None:
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
-    result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, check=False)
     if result.returncode != 0:
         raise ThreefoldError(f"`{' '.join(cmd)}` failed (exit {result.returncode}); see {log.name}")
 

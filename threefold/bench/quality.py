@@ -73,7 +73,9 @@ def _scores(llm: Scorer, batch: list[list[int]]) -> list[torch.Tensor]:
     if not hasattr(llm, "score_distributions"):
         raise ThreefoldError("this engine has no score_distributions(token_id_lists); bench quality needs it")
     scores = llm.score_distributions(batch)
-    for ids, s in zip(batch, scores):
+    if len(scores) != len(batch):
+        raise ThreefoldError(f"score_distributions returned {len(scores)} results for {len(batch)} sequences")
+    for ids, s in zip(batch, scores, strict=True):
         if s.shape[0] != len(ids) - 1:
             raise ThreefoldError(f"score_distributions returned {s.shape[0]} rows for {len(ids)} tokens; "
                                  f"expected {len(ids) - 1} (row t predicts token t+1)")
@@ -89,7 +91,7 @@ def evaluate_quality(candidate_llm: Scorer, reference_llm: Scorer, token_id_list
     for start in range(0, len(token_id_lists), batch_size):
         batch = token_id_lists[start:start + batch_size]
         cands, refs = _scores(candidate_llm, batch), _scores(reference_llm, batch)
-        for ids, cand, ref in zip(batch, cands, refs):
+        for ids, cand, ref in zip(batch, cands, refs, strict=True):
             totals.add(cand, ref, torch.tensor(ids[1:], dtype=torch.long))
     n = totals.tokens
     return QualityResult(ppl=math.exp(totals.nll / n), kl_mean=totals.kl / n, top1_agreement=totals.agree / n,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 from threefold.errors import ThreefoldError
@@ -60,7 +61,7 @@ SERVE_COLUMNS = ("label", "dataset", "rate", "conc", "ok", "fail", "req/s", "out
                  "goodput req/s", "cached %")
 
 
-def load_results(paths: list[str | Path]) -> list[dict]:
+def load_results(paths: Sequence[str | Path]) -> list[dict]:
     docs = []
     for path in paths:
         doc = json.loads(Path(path).read_text())
@@ -192,7 +193,8 @@ def plot(docs: list[dict], out: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    serve, plots = [d for d in docs if d["kind"] == "serve"], []
+    serve = [d for d in docs if d["kind"] == "serve"]
+    plots: list[str] = []
     mixed = len(by_cpu_class(serve)) > 1
     throughput: dict[str, list] = defaultdict(list)
     goodput: dict[str, list] = defaultdict(list)
@@ -229,7 +231,7 @@ def plot(docs: list[dict], out: Path) -> list[str]:
     return plots
 
 
-def write_report(paths: list[str | Path], out: str | Path) -> Path:
+def write_report(paths: Sequence[str | Path], out: str | Path) -> Path:
     """Write DIR/report.md and the plots; returns the markdown path."""
     docs = load_results(paths)
     if not docs:

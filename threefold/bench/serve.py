@@ -18,8 +18,16 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from threefold.bench.client import RequestResult
-from threefold.bench.datasets import (DATASETS, LengthLimits, SampleRequest, Session, load_humaneval,
-                                      load_random, load_sharegpt, load_sharegpt_sessions)
+from threefold.bench.datasets import (
+    DATASETS,
+    LengthLimits,
+    SampleRequest,
+    Session,
+    load_humaneval,
+    load_random,
+    load_sharegpt,
+    load_sharegpt_sessions,
+)
 from threefold.bench.loadgen import LoadConfig, fetch_model_name, run_requests, run_sessions
 from threefold.bench.metrics import SLO, format_summary, summarize
 from threefold.bench.report import UNKNOWN_CPU, cpu_record
@@ -125,12 +133,12 @@ async def run_serve(args: argparse.Namespace) -> dict:
     cfg = LoadConfig(args.base_url, model, endpoint, args.request_rate, args.max_concurrency, args.ignore_eos,
                      args.temperature, args.think_time, args.seed, args.timeout, not args.no_progress, bias)
     await _warm_up(workload, cfg, args.num_warmups)
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    started = datetime.datetime.now(datetime.UTC).isoformat()
     skipped = 0
     if sessions:
-        results, duration, skipped = await run_sessions(workload, cfg)
-    else:
-        results, duration = await run_requests(workload, cfg)
+        results, duration, skipped = await run_sessions([s for s in workload if isinstance(s, Session)], cfg)
+    else:  # the dataset decides the kind: the filters keep every item
+        results, duration = await run_requests([r for r in workload if isinstance(r, SampleRequest)], cfg)
     summary = summarize(results, duration, SLO(args.slo_ttft, args.slo_tpot), skipped)
     config = {**vars(args), "model": model, "endpoint": endpoint}
     doc = result_document(config, args.label or model, workload_stats(workload), results, summary)

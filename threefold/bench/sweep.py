@@ -51,8 +51,8 @@ def free_port() -> int:
 def parse_server(text: str, model: str, port: int, max_model_len: int = 2048, dtype: str = "auto") -> ServerSpec:
     """`vllm` / `llamacpp` / `threefold`, or `LABEL=COMMAND` with {port} and {model} placeholders."""
     if text in BUILTIN_SERVERS:
-        command, env = serve_command(text, model, port, max_model_len=max_model_len, dtype=dtype)
-        return ServerSpec(text, command, env)
+        argv, env = serve_command(text, model, port, max_model_len=max_model_len, dtype=dtype)
+        return ServerSpec(text, argv, env)
     label, sep, command = text.partition("=")
     if not sep or not label or not command.strip():
         raise ThreefoldError(f"--server {text!r}: use one of {', '.join(BUILTIN_SERVERS)} or LABEL=COMMAND",
@@ -92,6 +92,7 @@ class ManagedServer:
 
     def wait_ready(self) -> None:
         """Poll /v1/models until it answers 200; fail early if the process dies."""
+        assert self.proc is not None, "start the server (enter the context) first"
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -15,8 +15,13 @@ from dataclasses import dataclass
 
 from threefold.config import SchedulerConfig
 from threefold.core.kv_cache_manager import KVCacheManager
-from threefold.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                                    NewRequestData, SchedulerOutput)
+from threefold.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from threefold.core.request import Request, RequestStatus
 
 

@@ -249,7 +249,7 @@ class AsyncEngine:
                 self._publish(outputs)
                 self._stats = self.engine.get_stats()
                 self._notify("on_step", self._stats, outputs, now)
-        except BaseException as exc:  # noqa: BLE001 — the loop must report its own death
+        except BaseException as exc:  # the loop must report its own death
             logger.exception("engine loop died")
             self._die(exc)
             return
@@ -319,7 +319,7 @@ class AsyncEngine:
         for stat_logger in self.stat_loggers:
             try:
                 getattr(stat_logger, method)(*args)
-            except Exception:  # noqa: BLE001 — metrics must never kill the engine loop
+            except Exception:  # metrics must never kill the engine loop
                 logger.exception("stat logger %s.%s failed", type(stat_logger).__name__, method)
 
     def _die(self, exc: BaseException) -> None:

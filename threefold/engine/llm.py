@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from tqdm import tqdm
@@ -70,7 +71,7 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
         request_ids = []
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
                 request_id = str(next(self._ids))
                 # Only the finished outputs are read: no per-step copies of growing completions.
                 self.engine.add_request(request_id, _prompt_input(prompt), p, priority[i] if priority else 0,
@@ -84,7 +85,8 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = False, **template_kwargs) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        # One conversation is a list of dicts: its first item tells which form this is.
+        conversations = [messages] if messages and isinstance(messages[0], dict) else cast("list[list[dict]]", messages)
         tokenizer = self.engine.tokenizer
         prompts = [{"prompt_token_ids": tokenizer.encode(
             tokenizer.apply_chat_template(conv, add_generation_prompt=True, **template_kwargs),

@@ -7,8 +7,14 @@ from dataclasses import dataclass, field
 
 from threefold.core.outputs import EngineCoreOutput, TokenLogprobs
 from threefold.engine.detokenizer import IncrementalDetokenizer
-from threefold.engine.outputs import (CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput,
-                                     RequestOutputKind)
+from threefold.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    RequestOutputKind,
+)
 from threefold.sample.params import SamplingParams
 
 
@@ -109,9 +115,12 @@ class OutputProcessor:
             metrics.first_token_time = metrics.first_token_time or now
             metrics.last_token_time = now
         completion.token_ids.extend(out.new_token_ids)
-        for entry in out.new_logprobs or []:
-            completion.logprobs.append(self._position(entry))
-            completion.cumulative_logprob += entry.logprobs[0]
+        if out.new_logprobs:
+            # The core sends logprobs only to requests that asked; their state starts with [] and 0.0.
+            assert completion.logprobs is not None and completion.cumulative_logprob is not None
+            for entry in out.new_logprobs:
+                completion.logprobs.append(self._position(entry))
+                completion.cumulative_logprob += entry.logprobs[0]
         stop = completion.detokenizer.update(out.new_token_ids)
         stopped_on_text = stop is not None and out.finish_reason is None
         if stop is not None:
@@ -125,6 +134,7 @@ class OutputProcessor:
     def _position(self, entry: TokenLogprobs) -> PositionLogprobs:
         texts = self.backend.decode_batch([[t] for t in entry.token_ids], skip_special_tokens=False)
         result = {entry.token_ids[0]: Logprob(entry.logprobs[0], entry.rank, texts[0])}
-        for rank, (token_id, logprob, text) in enumerate(zip(entry.token_ids[1:], entry.logprobs[1:], texts[1:]), 1):
+        top_k = zip(entry.token_ids[1:], entry.logprobs[1:], texts[1:], strict=True)
+        for rank, (token_id, logprob, text) in enumerate(top_k, 1):
             result.setdefault(token_id, Logprob(logprob, rank, text))
         return result

@@ -168,7 +168,7 @@ def cpu_kernels() -> ModuleType | None:
         return None
     try:
         return build_kernels("native")
-    except Exception as exc:  # no compiler, no ninja, ...: the torch path still works
+    except Exception as exc:  # noqa: BLE001 — no compiler, no ninja, ...: the torch path still works
         logger.warning("CPU kernels unavailable (%s: %s); using the plain PyTorch attention path",
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return None

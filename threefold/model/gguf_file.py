@@ -75,7 +75,7 @@ class GGUFFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.mmap = np.memmap(path, dtype=np.uint8, mode="r")
-        cursor = _Cursor(memoryview(self.mmap))
+        cursor = _Cursor(self.mmap.data)  # a memoryview of the mapped bytes
         if bytes(self.mmap[:4]) != b"GGUF":
             raise ThreefoldError(f"{path} is not a GGUF file (bad magic)", param="model")
         cursor.pos = 4

@@ -172,7 +172,8 @@ class Attention(nn.Module):
         if config.qk_norm:
             # qwen3: one [head_dim] weight for q and one for k; stored expanded to
             # [num_heads + num_kv_heads, head_dim] so q and k are normed in one op.
-            self.qk_norm_weight = nn.Parameter(torch.empty(config.num_heads + config.num_kv_heads, config.head_dim))
+            self.qk_norm_weight: nn.Parameter | None = nn.Parameter(
+                torch.empty(config.num_heads + config.num_kv_heads, config.head_dim))
         else:
             self.qk_norm_weight = None
 
@@ -330,7 +331,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionFn) -> Tensor:
         """input_ids, positions: [T] long, a flattened batch. Returns hidden [T, hidden] after the final norm."""
-        assert self.rope_cos is not None, "call init_rope(max_len) after loading weights"
+        assert self.rope_cos is not None and self.rope_sin is not None, "call init_rope(max_len) after loading weights"
         rotary = Rotary(positions, self.rope_cos, self.rope_sin, self.kernels)
         hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer in self.layers:

@@ -110,7 +110,7 @@ def is_pulled(entry: RegistryEntry) -> bool:
 
 def _pip_install(packages: list[str], progress: bool) -> None:
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *packages]
-    result = subprocess.run(cmd, capture_output=not progress, text=True)
+    result = subprocess.run(cmd, capture_output=not progress, text=True, check=False)  # failure is reported below
     if result.returncode != 0:
         tail = (result.stderr or "")[-2000:] if not progress else "(see pip output above)"
         raise ThreefoldError(f"pip install of {', '.join(packages)} failed: {tail}", param="model")

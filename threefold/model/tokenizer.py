@@ -71,7 +71,9 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert isinstance(text, str)  # one id list decodes to one string
+        return text
 
     def convert_ids_to_tokens(self, ids: int | list[int]) -> str | list[str]:
         return self.hf.convert_ids_to_tokens(ids)
@@ -94,7 +96,9 @@ class Tokenizer:
             raise ThreefoldError(
                 "this model has no chat template; use the completions API with a plain prompt", param="messages"
             )
-        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kw)
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kw)
+        assert isinstance(text, str)  # tokenize=False renders one conversation to one string
+        return text
 
 
 def _save_atomically(hf: PreTrainedTokenizerBase, cache_dir: Path) -> None:

@@ -78,21 +78,24 @@ class SamplingMetadata:
         greedy = [p.greedy for p in params]
         # Filters only matter on random rows; neutral values on greedy rows let
         # an all-greedy batch with top_k set skip the filter altogether.
-        top_k = [0 if g or not 0 < p.top_k < vocab_size else p.top_k for p, g in zip(params, greedy)]
+        top_k = [0 if g or not 0 < p.top_k < vocab_size else p.top_k for p, g in zip(params, greedy, strict=True)]
         repetition = _optional([p.repetition_penalty for p in params], 1.0, torch.float32, device)
         presence = _optional([p.presence_penalty for p in params], 0.0, torch.float32, device)
         frequency = _optional([p.frequency_penalty for p in params], 0.0, torch.float32, device)
         any_penalty = any(t is not None for t in (repetition, presence, frequency))
         return cls(
             temperature=torch.tensor(
-                [0.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32, device=device
+                [0.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+                dtype=torch.float32, device=device,
             ),
             all_greedy=all(greedy),
             all_random=not any(greedy),
             top_k=_optional(top_k, 0, torch.long, device),
             max_top_k=max(top_k, default=0),
-            top_p=_optional([1.0 if g else p.top_p for p, g in zip(params, greedy)], 1.0, torch.float32, device),
-            min_p=_optional([0.0 if g else p.min_p for p, g in zip(params, greedy)], 0.0, torch.float32, device),
+            top_p=_optional([1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)], 1.0,
+                            torch.float32, device),
+            min_p=_optional([0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)], 0.0,
+                            torch.float32, device),
             repetition_penalty=repetition,
             presence_penalty=presence,
             frequency_penalty=frequency,
@@ -163,11 +166,11 @@ def _min_tokens_mask(
 ) -> dict[int, list[int]]:
     """Rows still short of min_tokens may not emit a token that would stop them (as in vLLM)."""
     mask: dict[int, list[int]] = {}
-    for row, (p, num_output) in enumerate(zip(params, num_output_tokens)):
+    for row, (p, num_output) in enumerate(zip(params, num_output_tokens, strict=True)):
         if num_output >= p.min_tokens:
             continue
-        stop_ids = set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(eos_token_ids))
-        stop_ids = sorted(t for t in stop_ids if t < vocab_size)
+        stops = set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(eos_token_ids))
+        stop_ids = sorted(t for t in stops if t < vocab_size)
         if stop_ids:
             mask[row] = stop_ids
     return mask

@@ -30,8 +30,10 @@ def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     if not meta.has_penalties:
         return logits
     counts = meta.output_token_counts  # [N, V] int32, kept up to date by each request
+    assert counts is not None  # build() stacks the counts whenever a penalty is set
     in_output = counts > 0
     if meta.repetition_penalty is not None:
+        assert meta.prompt_token_mask is not None  # built with the repetition penalty
         seen = in_output | meta.prompt_token_mask
         penalty = meta.repetition_penalty[:, None]
         # Dividing a positive logit and multiplying a negative one both make the token less likely.

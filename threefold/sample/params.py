@@ -80,7 +80,8 @@ class SamplingParams:
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}."),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
              f"max_tokens must be at least 1, got {self.max_tokens}."),
-            (self.min_tokens >= 0, "min_tokens", f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."),
+            (self.min_tokens >= 0, "min_tokens",
+             f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}."),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
@@ -107,4 +108,4 @@ class SamplingParams:
         """A copy with some fields changed (validated again)."""
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         values.update(changes)
-        return SamplingParams(**values)  # type: ignore[arg-type]
+        return SamplingParams(**values)

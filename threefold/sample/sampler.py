@@ -60,12 +60,13 @@ class Sampler:
             sampled = self._sample(logits, meta)
         if raw_logprobs is None:
             return SamplerOutput(sampled, None)
+        assert meta.max_num_logprobs is not None  # raw_logprobs exist only then
         return SamplerOutput(sampled, compute_logprobs_tensors(raw_logprobs, meta.max_num_logprobs, sampled))
 
     def _sample(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
+        if meta.all_greedy:  # a batch is never empty here, so all_greedy excludes all_random
+            return self._argmax(logits)
         greedy = None if meta.all_random else self._argmax(logits)
-        if meta.all_greedy:
-            return greedy
         sampled = self._sample_random(logits, meta)
         return sampled if greedy is None else torch.where(meta.temperature == 0.0, greedy, sampled)
 

@@ -18,10 +18,21 @@ from threefold.engine.outputs import CompletionOutput, RequestOutput
 from threefold.errors import ThreefoldError
 from threefold.server.logprobs import chat_logprobs
 from threefold.server.protocol import ChatCompletionRequest, ChatMessage
-from threefold.server.serving_common import (ServerState, guarded_sse, check_model, check_stream_options,
-                                             final_output, now_s, random_id, raise_if_failed, sampling_params, sse,
-                                             submit, unless_disconnected, usage)
-
+from threefold.server.serving_common import (
+    ServerState,
+    check_model,
+    check_stream_options,
+    final_output,
+    guarded_sse,
+    now_s,
+    raise_if_failed,
+    random_id,
+    sampling_params,
+    sse,
+    submit,
+    unless_disconnected,
+    usage,
+)
 
 
 def message_dict(message: ChatMessage) -> dict[str, Any]:
@@ -47,7 +58,7 @@ def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_
                                                    add_generation_prompt=add_generation_prompt, **kwargs)
     except ThreefoldError:
         raise
-    except Exception as exc:  # noqa: BLE001 — a template rejecting the conversation is the client's 400
+    except Exception as exc:  # a template rejecting the conversation is the client's 400
         raise ThreefoldError(f"The chat template could not render these messages: {exc}", param="messages") from exc
 
 
@@ -74,7 +85,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     stream = await submit(state, raw_request, plan.request_id, plan.prompt_ids, params, req.priority)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunks = guarded_sse(_stream(state, plan, stream, req.n, include_usage), "streaming chat completion", plan.request_id)
+        chunks = guarded_sse(_stream(state, plan, stream, req.n, include_usage), "streaming chat completion",
+                             plan.request_id)
         return StreamingResponse(chunks, media_type="text/event-stream")
     final = await unless_disconnected(raw_request, final_output(stream))
     return JSONResponse(_response(state, plan, final))

@@ -116,9 +116,7 @@ def raise_if_failed(output: RequestOutput) -> RequestOutput:
 
 async def final_output(stream: RequestStream) -> RequestOutput:
     """The whole output of a request, gathered from its deltas."""
-    deltas = []
-    async for output in stream:
-        deltas.append(raise_if_failed(output))
+    deltas = [raise_if_failed(output) async for output in stream]
     assert deltas and deltas[-1].finished
     return merge_deltas(deltas)
 
@@ -194,7 +192,7 @@ async def guarded_sse(chunks: AsyncIterator[str], what: str, request_id: str) ->
             yield chunk
     except ThreefoldError as exc:
         yield sse_error(exc)
-    except Exception as exc:  # noqa: BLE001 — one broken request must not break the server
+    except Exception as exc:  # one broken request must not break the server
         logger.exception("%s %s failed", what, request_id)
         yield sse_error(exc)
     yield SSE_DONE

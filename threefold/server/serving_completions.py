@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -19,11 +20,23 @@ from threefold.engine.outputs import CompletionOutput, RequestOutput
 from threefold.errors import ThreefoldError
 from threefold.server.logprobs import LegacyLogprobs, concat_legacy
 from threefold.server.protocol import CompletionRequest
-from threefold.server.serving_common import (ServerState, guarded_sse, check_model, check_stream_options,
-                                             check_token_ids, final_output, merge_streams, now_s, random_id,
-                                             raise_if_failed, sampling_params, sse, submit, unless_disconnected,
-                                             usage)
-
+from threefold.server.serving_common import (
+    ServerState,
+    check_model,
+    check_stream_options,
+    check_token_ids,
+    final_output,
+    guarded_sse,
+    merge_streams,
+    now_s,
+    raise_if_failed,
+    random_id,
+    sampling_params,
+    sse,
+    submit,
+    unless_disconnected,
+    usage,
+)
 
 
 @dataclass
@@ -47,12 +60,18 @@ class _Plan:
 
 def _prompts(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
     raw = req.prompt
-    if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
-        raw = [raw]  # type: ignore[list-item]
-    if not raw:
+    # The request model validated the union: a list whose first item is an int is all ints.
+    items: list[str] | list[list[int]]
+    if isinstance(raw, str):
+        items = [raw]
+    elif raw and isinstance(raw[0], int):
+        items = [list(raw)]  # one prompt of token ids
+    else:
+        items = cast("list[str] | list[list[int]]", raw)
+    if not items:
         raise ThreefoldError("prompt must not be empty.", param="prompt")
     prompts = []
-    for item in raw:
+    for item in items:
         if isinstance(item, str):
             prompts.append(_Prompt(item, state.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)))
         else:
@@ -93,7 +112,7 @@ def _generated(plan: _Plan, completion: CompletionOutput) -> tuple[str, list[int
 
 def _response(state: ServerState, plan: _Plan, finals: list[RequestOutput]) -> dict:
     choices, num_generated = [], 0
-    for prompt_index, (prompt, output) in enumerate(zip(plan.prompts, finals)):
+    for prompt_index, (prompt, output) in enumerate(zip(plan.prompts, finals, strict=True)):
         for completion in output.outputs:
             text, token_ids, positions = _generated(plan, completion)
             num_generated += len(token_ids)

@@ -84,7 +84,7 @@ class PagedAttention:
         meta = self.meta
         self.cache.write(layer_idx, meta.slot_mapping, k, v)
         out = torch.empty_like(q)
-        for group, mask in zip(meta.decode_groups, self.decode_masks):
+        for group, mask in zip(meta.decode_groups, self.decode_masks, strict=True):
             span = slice(group.query_start, group.query_start + group.num_seqs)
             self._decode(layer_idx, q[span], group, mask, out[span])
         for chunk in meta.prefills:
@@ -111,7 +111,7 @@ class PagedAttention:
     def _prefill(self, layer_idx: int, chunk: PrefillChunk, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
         if chunk.context_len and self.kernels is not None and self.cache.layout(layer_idx).kind != "dense":
-            return self._prefill_in_place(layer_idx, chunk, q)
+            return self._prefill_in_place(layer_idx, chunk, q, self.kernels)
         q = q.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, d]
         window = self.meta.sliding_window
         total = chunk.context_len + chunk.query_len
@@ -131,12 +131,13 @@ class PagedAttention:
                                              scale=self.scale, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
 
-    def _prefill_in_place(self, layer_idx: int, chunk: PrefillChunk, q: torch.Tensor) -> torch.Tensor:
+    def _prefill_in_place(self, layer_idx: int, chunk: PrefillChunk, q: torch.Tensor,
+                          kernels: ModuleType) -> torch.Tensor:
         """A chunk over a compressed cache: q_len decode rows sharing the chunk's block table."""
         out = torch.empty_like(q)
         tables = chunk.block_table.expand(chunk.query_len, -1).contiguous()  # [q_len, nb] block ids
         seq_lens = torch.arange(chunk.context_len + 1, chunk.context_len + chunk.query_len + 1, device=q.device)
-        decode_attention(self.kernels, out, q, self.cache.layout(layer_idx), tables, seq_lens, self.scale,
+        decode_attention(kernels, out, q, self.cache.layout(layer_idx), tables, seq_lens, self.scale,
                          self.meta.sliding_window or 0)
         return out
 

@@ -120,7 +120,8 @@ def build_batch(states: list[CachedRequestState], num_scheduled: dict[str, int],
         token_rows, positions = rows, torch.tensor([s.num_computed_tokens for s in order], dtype=torch.long)
     else:
         lens_t = torch.tensor(lens, dtype=torch.long)
-        offsets = torch.tensor([s.num_computed_tokens - q for s, q in zip(order, starts)], dtype=torch.long)
+        offsets = torch.tensor([s.num_computed_tokens - q for s, q in zip(order, starts, strict=True)],
+                               dtype=torch.long)
         token_rows = rows.repeat_interleave(lens_t)
         positions = torch.arange(len(input_ids), dtype=torch.long) + offsets.repeat_interleave(lens_t)  # [T]
     slots = block_table.slot_mapping(token_rows, positions)

@@ -13,8 +13,8 @@ import torch
 
 from threefold.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from threefold.kernels import cpu_kernels
-from threefold.kv.registry import make_codec
 from threefold.kv.paged import PagedKVCache
+from threefold.kv.registry import make_codec
 from threefold.model.loader import LoadedModel
 from threefold.sample.sampler import Sampler, SamplingMetadata, compute_logprobs_tensors
 from threefold.worker.attention import PagedAttention
@@ -55,6 +55,7 @@ class ModelRunner:
         batch = build_batch(states, sched.num_scheduled_tokens, sched.scheduled_spec_token_ids,
                             self.requests.block_table, self.device, self.config.sliding_window,
                             native_decode=self.kernels is not None)
+        assert self.kv_cache is not None, "initialize_kv_cache() before execute()"
         attention = PagedAttention(self.kv_cache, batch.attn, self.config.head_dim ** -0.5, self.config.dtype,
                                    self.kernels)
         hidden = self.model(batch.input_ids, batch.positions, attention)
@@ -77,11 +78,11 @@ class ModelRunner:
             self.eos_token_ids, logits.shape[-1], self.device)
         result = self.sampler(logits, meta)
         sampled = result.sampled_token_ids.tolist()
-        for state, token_id in zip(states, sampled):
+        for state, token_id in zip(states, sampled, strict=True):
             state.token_ids.append(token_id)
             if state.penalties is not None:
                 state.penalties.add(token_id)
-        output = ModelRunnerOutput({s.request_id: [t] for s, t in zip(states, sampled)})
+        output = ModelRunnerOutput({s.request_id: [t] for s, t in zip(states, sampled, strict=True)})
         if result.logprobs is not None:
             for i, state in enumerate(states):
                 if state.params.logprobs is not None:
@@ -91,7 +92,7 @@ class ModelRunner:
     def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict[str, list]:
         """Logprobs of prompt tokens computed this step; returned once a prompt completes."""
         done = {}
-        for state, start, n in zip(batch.order, batch.query_starts, batch.query_lens):
+        for state, start, n in zip(batch.order, batch.query_starts, batch.query_lens, strict=True):
             num_top = state.params.prompt_logprobs
             first = state.num_computed_tokens
             if num_top is None or first >= state.num_prompt_tokens:

@@ -32,7 +32,7 @@ class ScaledStorage:
     zeros: torch.Tensor | None
 
 
-class ScaledCodec(KVCodec):
+class ScaledCodec(KVCodec[ScaledStorage]):
     """Shared write/read/layout; subclasses give the row quantizer and its shapes."""
 
     code_dtype: torch.dtype = torch.uint8
@@ -67,6 +67,7 @@ class ScaledCodec(KVCodec):
         codes, scales, zeros = self.quantize(torch.stack([k, v]))  # [2, T, kvh, *]
         for dst, src in ((storage.codes, codes), (storage.scales, scales), (storage.zeros, zeros)):
             if dst is not None:
+                assert src is not None  # quantize returns zeros exactly when the storage has them (has_zeros)
                 dst.view(2, -1, *dst.shape[3:]).index_copy_(1, slot_mapping, src.to(dst.dtype))
 
     def read(self, storage: ScaledStorage, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
