@@ -66,13 +66,18 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_v: Tens
     """Reference tree attention. q [R, Hq, D]; k, v [R, Hkv, D] for the verify rows;
     past_k, past_v [P, Hkv, D] the context before the root (seen by every row);
     mask [R, R] from verify_mask. Returns [R, Hq, D] in float32 maths, q's dtype."""
-    group = q.shape[1] // k.shape[1]
-    keys = torch.cat([past_k, k]).float().repeat_interleave(group, dim=1)  # [P + R, Hq, D]
-    values = torch.cat([past_v, v]).float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("rhd,phd->hrp", q.float(), keys) * scale  # [Hq, R, P + R]
     visible = torch.cat([mask.new_ones(mask.shape[0], past_k.shape[0]), mask], dim=1)  # [R, P + R]
+    return masked_attention(q, torch.cat([past_k, k]), torch.cat([past_v, v]), visible, scale)
+
+
+def masked_attention(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor, scale: float) -> Tensor:
+    """q [R, Hq, D] over keys/values [S, Hkv, D] where visible [R, S] allows (GQA by repeat)."""
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.float().repeat_interleave(group, dim=1)  # [S, Hq, D]
+    values = values.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("rhd,shd->hrs", q.float(), keys) * scale  # [Hq, R, S]
     scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hrp,phd->rhd", scores.softmax(-1), values).to(q.dtype)
+    return torch.einsum("hrs,shd->rhd", scores.softmax(-1), values).to(q.dtype)
 
 
 # ---- construction ------------------------------------------------------------
