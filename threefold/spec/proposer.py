@@ -87,6 +87,7 @@ class Proposer(ABC):
 
 PROPOSERS: dict[str, str] = {
     "ngram": "threefold.spec.ngram:NgramProposer",
+    "draft_model": "threefold.spec.draft_model:DraftModelProposer",
     "medusa": "threefold.spec.heads_proposer:MedusaProposer",
     "eagle": "threefold.spec.heads_proposer:EagleProposer",
 }
