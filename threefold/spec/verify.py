@@ -75,7 +75,7 @@ def verify_chains(logits: Tensor, drafts: list[list[int]], params: list[Sampling
     for k, members in by_k.items():  # one rejection_sample call per draft length
         rows = torch.tensor([offsets[i] + j for i in members for j in range(k + 1)], device=logits.device)
         target = probs.index_select(0, rows).view(len(members), k + 1, -1)
-        draft_ids = torch.tensor([drafts[i] for i in members], dtype=torch.long, device=logits.device).view(-1, k)
+        draft_ids = torch.tensor([drafts[i] for i in members], dtype=torch.long, device=logits.device).view(len(members), k)
         greedy = [params[i].greedy for i in members]
         out = rejection_sample(draft_ids, None, target,
                                is_greedy=None if not any(greedy) else torch.tensor(greedy, device=logits.device),
