@@ -70,12 +70,12 @@ class Candidate:
 
 
 def speculation_allowed(params: SamplingParams) -> bool:
-    """Sampling features that speculation cannot keep exact turn it off for the request.
+    """Sampling features that speculation cannot keep exact would turn it off for the request.
 
     Every processed-distribution feature (temperature, top-k/p, min-p, penalties,
-    min_tokens, seeds) is exact through verify_chains. Only a request's own opt-out
-    (`speculative=False`, where SamplingParams carries it) disables it."""
-    return getattr(params, "speculative", True) is not False
+    min_tokens, seeds) is exact through verify_chains, so today only the request's
+    own opt-out (SamplingParams.speculative = False) disables it."""
+    return params.speculative
 
 
 def profile_step_cost(forward: Callable[[int], None], token_counts=PROFILE_TOKENS, repeats: int = 2) -> StepCostModel:
