@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup test demo serve bench-offline clean
+.PHONY: setup test lint demo serve bench-offline bench-decode clean
 
 setup: $(STAMP)
 
@@ -22,15 +22,30 @@ $(STAMP): pyproject.toml
 test: setup
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q tests
 
+# Style and types; both read their configuration from pyproject.toml ([tool.ruff], [tool.mypy]).
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
 demo: setup
-	$(BIN)/threefold generate --model smollm2-135m --max-tokens 64 \
+	$(BIN)/threefold generate --max-tokens 64 \
 		--prompt "The three most useful things to know about paged attention are"
 
 serve: setup
-	$(BIN)/threefold serve --model smollm2-135m --host 127.0.0.1 --port 8000
+	$(BIN)/threefold serve --host 127.0.0.1 --port 8000
+
+# Benchmarks against the peers that need no setup of their own; add vllm / llamacpp once their
+# venvs exist (`threefold bench peers install vllm`, see CONTRIBUTING.md), e.g.
+#   make bench-offline OFFLINE_ENGINES=threefold,vllm,transformers
+OFFLINE_ENGINES ?= threefold,transformers
+DECODE_ENGINES ?= threefold:bf16,threefold:fp32,transformers:bf16,transformers:fp32
 
 bench-offline: setup
-	$(BIN)/python benchmarks/offline.py
+	$(BIN)/python benchmarks/offline_peers.py --engines $(OFFLINE_ENGINES) --out-dir results/offline
+
+bench-decode: setup
+	$(BIN)/threefold bench peers convert --model smollm2-135m  # once: transformers reads an HF directory
+	$(BIN)/python benchmarks/decode.py --engines $(DECODE_ENGINES) --out-dir results/decode
 
 clean:
 	rm -rf $(VENV)

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from threefold import LLM, SamplingParams
+from threefold.config import DEFAULT_MODEL
 from threefold.kernels import cpu_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -39,7 +40,7 @@ def compare(name: str, ours: list, theirs: list) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args()
     kernels = cpu_kernels()

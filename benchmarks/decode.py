@@ -367,12 +367,16 @@ def main() -> None:
     rows = summarize(configs, runs, args.max_tokens)
     table = markdown(rows, args.max_tokens)
     out = Path(args.out_dir)
-    doc = {"kind": "decode", "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
+    from threefold.cpu import cpu_info
+
+    cpu = cpu_info()  # ratios in this file are within one run, so within one CPU
+    doc = {"kind": "decode", "command": " ".join([os.path.relpath(sys.executable), *sys.argv]), "cpu": cpu.as_dict(),
            "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(began)), "wall_s": time.time() - began,
            "prompt_tokens": len(prompt_ids), "max_tokens": args.max_tokens, "gguf": gguf, "hf_dir": hf_dir,
            "args": vars(args), "summary": rows, "runs": runs}
     (out / "decode.json").write_text(json.dumps(doc, indent=1))
-    (out / "decode.md").write_text(f"prompt {len(prompt_ids)} tokens, {args.max_tokens} new tokens, "
+    (out / "decode.md").write_text(f"CPU class {cpu.cpu_class}: {cpu.describe()}\n\n"
+                                   f"prompt {len(prompt_ids)} tokens, {args.max_tokens} new tokens, "
                                    f"{args.rounds} rounds x {args.reps} reps\n\n" + table)
     print(table)
     print(f"results: {out / 'decode.json'}, {out / 'decode.md'}")

@@ -18,6 +18,7 @@ from pathlib import Path
 from threefold.bench.offline import ENGINES, add_offline_args, run_offline, token_workload
 from threefold.bench.report import write_report
 from threefold.bench.serve import add_serve_args
+from threefold.config import DEFAULT_MODEL
 
 
 def main() -> None:
@@ -27,7 +28,7 @@ def main() -> None:
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out-dir", default="results/offline")
-    parser.set_defaults(model="smollm2-135m", num_prompts=32)
+    parser.set_defaults(model=DEFAULT_MODEL, num_prompts=32)
     args = parser.parse_args()
     requests = token_workload(args)  # one workload for every engine and round
     out, paths = Path(args.out_dir), []

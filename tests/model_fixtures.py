@@ -46,7 +46,7 @@ def smollm2_hf_tokenizer():
 def _tiny_config(variant: str):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common = dict(
+    common = dict(  # noqa: C408  (keyword form: these are config kwargs, read like a call)
         vocab_size=SMOLLM2_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=variant != "untied",

@@ -9,8 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from threefold.bench.datasets import (LengthLimits, humaneval_path, load_humaneval, load_random, load_sharegpt,
-                                      load_sharegpt_sessions)
+from threefold.bench.datasets import (
+    LengthLimits,
+    humaneval_path,
+    load_humaneval,
+    load_random,
+    load_sharegpt,
+    load_sharegpt_sessions,
+)
 from threefold.bench.sharegpt import dialogue, in_split, open_sharegpt, sharegpt_path
 from threefold.bench.tokenizer import load_tokenizer
 

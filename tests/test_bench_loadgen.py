@@ -9,14 +9,16 @@ what it received and when (time.perf_counter, the clock the client uses).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from itertools import pairwise
 
 import pytest
 
@@ -135,10 +137,8 @@ def fake():
         server.port = srv.sockets[0].getsockname()[1]
         ready.set()
         async with srv:
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await srv.serve_forever()
-            except asyncio.CancelledError:
-                pass
 
     thread = threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True)
     thread.start()
@@ -172,13 +172,13 @@ def test_latencies_match_the_known_server_timings(fake):
     assert all(r.ok for r in results)
     seen = _seen_by_prompt(fake)
     ttft_lag, itl_err, e2e_lag = [], [], []
-    for request, r in zip(requests, results):
+    for request, r in zip(requests, results, strict=True):
         truth = seen[request.prompt]
         true_ttft = truth.chunk_times[0] - truth.arrival
-        true_gaps = [b - a for a, b in zip(truth.chunk_times, truth.chunk_times[1:])]
+        true_gaps = [b - a for a, b in pairwise(truth.chunk_times)]
         assert true_ttft >= 0.06 and len(r.itl) == len(true_gaps) == 5
         ttft_lag.append(r.ttft - true_ttft)
-        itl_err += [abs(gap - true) for gap, true in zip(r.itl, true_gaps)]
+        itl_err += [abs(gap - true) for gap, true in zip(r.itl, true_gaps, strict=True)]
         e2e_lag.append(r.e2e - (truth.chunk_times[-1] - truth.arrival))
         assert r.output_tokens == 6 and r.prompt_tokens == 11 and r.cached_tokens == 3
     # The client cannot see a chunk before it was written, and on loopback sees it soon after.
@@ -190,7 +190,7 @@ def test_latencies_match_the_known_server_timings(fake):
     assert statistics.median(itl_err) < 0.005 and max(itl_err) < 0.05
     s = summarize(results, duration)
     assert s["completed"] == 12 and s["failed"] == 0
-    all_gaps = [b - a for t in fake.seen for a, b in zip(t.chunk_times, t.chunk_times[1:])]
+    all_gaps = [b - a for t in fake.seen for a, b in pairwise(t.chunk_times)]
     assert s["itl"]["mean"] == pytest.approx(sum(all_gaps) / len(all_gaps), abs=0.005)
     assert s["itl"]["p50"] >= 0.015 and s["tpot"]["mean"] >= 0.015
     assert s["tpot"]["mean"] == pytest.approx(sum(all_gaps) / len(all_gaps), abs=0.01)
@@ -279,7 +279,7 @@ def test_requests_arrive_on_the_poisson_schedule(fake):
     arrivals = [s.arrival - fake.seen[0].arrival for s in fake.seen]
     assert len(arrivals) == n
     # Tolerances allow a loaded 2-core machine; a wrong rate would miss by ~schedule[-1] / 2 = 0.6 s.
-    errors = [abs(a - b) for a, b in zip(arrivals, schedule)]
+    errors = [abs(a - b) for a, b in zip(arrivals, schedule, strict=True)]
     assert max(errors) < 0.15 and sum(errors) / n < 0.03
     assert arrivals[-1] == pytest.approx(schedule[-1], abs=0.1)
 

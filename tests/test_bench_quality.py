@@ -50,7 +50,7 @@ def test_identical_configurations_agree_exactly():
 def test_kl_and_top1_match_closed_form():
     p, q = [0.6, 0.3, 0.1], [0.2, 0.7, 0.1]
     result = evaluate_quality(FixedScorer(q), FixedScorer(p), SEQS, batch_size=2)
-    kl = sum(pi * math.log(pi / qi) for pi, qi in zip(p, q))
+    kl = sum(pi * math.log(pi / qi) for pi, qi in zip(p, q, strict=True))
     assert result.kl_mean == pytest.approx(kl, rel=1e-5)
     assert result.top1_agreement == 0.0  # argmax p = 0, argmax q = 1
     targets = [t for ids in SEQS for t in ids[1:]]
@@ -58,7 +58,7 @@ def test_kl_and_top1_match_closed_form():
     assert result.reference_ppl == pytest.approx(math.exp(-sum(math.log(p[t]) for t in targets) / 7), rel=1e-5)
     # reversed roles give the other direction of KL: it is not symmetric
     reverse = evaluate_quality(FixedScorer(p), FixedScorer(q), SEQS)
-    assert reverse.kl_mean == pytest.approx(sum(qi * math.log(qi / pi) for pi, qi in zip(p, q)), rel=1e-5)
+    assert reverse.kl_mean == pytest.approx(sum(qi * math.log(qi / pi) for pi, qi in zip(p, q, strict=True)), rel=1e-5)
     assert reverse.kl_mean != pytest.approx(result.kl_mean, rel=1e-3)
 
 

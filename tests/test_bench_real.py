@@ -13,7 +13,8 @@ from threefold.bench.quality import evaluate_quality, heldout_sequences
 from threefold.bench.serve import add_serve_args, run_serve
 from threefold.engine.llm import LLM
 from threefold.engine.llm_engine import EngineArgs, LLMEngine
-from threefold.server.testing import ServerThread
+
+from server_harness import ServerThread
 
 
 @pytest.fixture(scope="module")

@@ -70,7 +70,7 @@ def test_prefix_hit_shares_blocks_and_compares_tokens():
     prompt = list(range(1, 14))  # 13 tokens: 3 full blocks + 1
     a = make_request("a", prompt)
     kv.allocate_slots(a, len(prompt))
-    b = make_request("b", prompt[:12] + [99, 98])
+    b = make_request("b", [*prompt[:12], 99, 98])
     hits, num_hit = kv.get_computed_blocks(b)
     assert num_hit == 12 and [h.block_id for h in hits] == [1, 2, 3]
     kv.allocate_slots(b, 2, hits)

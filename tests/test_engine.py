@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from prompts import PROMPTS
 from threefold.sample.params import SamplingParams
+
+from prompts import PROMPTS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -134,14 +135,14 @@ def test_logprobs_and_prompt_logprobs_shapes(make_llm):
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=2))[0]
     completion = out.outputs[0]
     assert len(completion.logprobs) == 5
-    for token_id, position in zip(completion.token_ids, completion.logprobs):
+    for token_id, position in zip(completion.token_ids, completion.logprobs, strict=True):
         assert token_id in position and position[token_id].rank == 1  # greedy picks the top token
         assert 3 <= len(position) <= 4
     assert completion.cumulative_logprob == pytest.approx(
-        sum(p[t].logprob for t, p in zip(completion.token_ids, completion.logprobs)))
+        sum(p[t].logprob for t, p in zip(completion.token_ids, completion.logprobs, strict=True)))
     assert out.prompt_logprobs[0] is None
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
-    for token_id, position in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+    for token_id, position in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True):
         assert token_id in position and len(position) <= 3
 
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_fixtures import hf_reference_greedy, smollm2_gguf_path
 
 from threefold.sample.params import SamplingParams
+
+from model_fixtures import hf_reference_greedy, smollm2_gguf_path
 
 PROMPTS = [
     "The capital of France is",
@@ -32,8 +33,7 @@ def hf_reference():
     from transformers import AutoModelForCausalLM
 
     path = smollm2_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    return model
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("budget", [512, 6])
@@ -42,9 +42,9 @@ def test_generate_matches_transformers(make_llm, hf_reference, budget):
     tokenizer = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate(PROMPTS, params)
-    for prompt, output in zip(PROMPTS, outputs):
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
         ids, logprobs = hf_reference_greedy(hf_reference, tokenizer.encode(prompt), NUM_TOKENS)
         completion = output.outputs[0]
         assert completion.token_ids == ids, prompt
-        ours = [position[t].logprob for t, position in zip(completion.token_ids, completion.logprobs)]
+        ours = [position[t].logprob for t, position in zip(completion.token_ids, completion.logprobs, strict=True)]
         assert ours == pytest.approx(logprobs, abs=LOGPROB_ATOL), prompt

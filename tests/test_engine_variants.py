@@ -11,10 +11,11 @@ import json
 
 import pytest
 import torch
-from model_fixtures import hf_reference_greedy, make_tiny_checkpoint
 
 from threefold.engine.llm import LLM
 from threefold.sample.params import SamplingParams
+
+from model_fixtures import hf_reference_greedy, make_tiny_checkpoint
 
 NUM_TOKENS = 12
 PROMPTS = [[5, 17, 300, 42, 9, 1000, 77, 3, 8, 600, 21, 13, 400, 2500, 31, 7, 99, 123, 456, 789],
@@ -51,9 +52,9 @@ def test_engine_greedy_matches_transformers(tmp_path, variant, window):
     llm = LLM(str(path), dtype="float32", kv_cache_memory=16 << 20, max_num_batched_tokens=7, block_size=4)
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    for prompt, output in zip(PROMPTS, outputs):
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
         ids, logprobs = hf_reference_greedy(hf, prompt, NUM_TOKENS)
         completion = output.outputs[0]
         assert completion.token_ids == ids
-        ours = [pos[t].logprob for t, pos in zip(completion.token_ids, completion.logprobs)]
+        ours = [pos[t].logprob for t, pos in zip(completion.token_ids, completion.logprobs, strict=True)]
         assert ours == pytest.approx(logprobs, abs=1e-4)

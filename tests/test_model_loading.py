@@ -6,10 +6,11 @@ import json
 
 import pytest
 import torch
-from model_fixtures import TINY_GENERATION_CONFIG, make_tiny_checkpoint, smollm2_gguf_path
 
 from threefold.errors import ModelNotFoundError, ThreefoldError
 from threefold.model.loader import LoadedModel, load_model, resolve_dtype
+
+from model_fixtures import TINY_GENERATION_CONFIG, make_tiny_checkpoint, smollm2_gguf_path
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def test_resolve_dtype_rules():
     assert resolve_dtype("auto", torch.float16, "cpu") == torch.bfloat16
     assert resolve_dtype("auto", torch.float16, "cuda") == torch.float16
     assert resolve_dtype("float32", torch.bfloat16, "cpu") == torch.float32
-    with pytest.raises(ThreefoldError, match="unsupported dtype 'int8'.*auto, float32, bfloat16") as err:
+    with pytest.raises(ThreefoldError, match=r"unsupported dtype 'int8'.*auto, float32, bfloat16") as err:
         resolve_dtype("int8", torch.float32, "cpu")
     assert err.value.param == "dtype"
 
@@ -69,19 +70,19 @@ def test_unsupported_architecture_is_clear(tiny_llama, tmp_path):
     src = tmp_path / "src"
     make_tiny_checkpoint(src, "llama")
     bad = _copy_checkpoint(src, tmp_path / "gpt2", lambda c: c.update(architectures=["GPT2LMHeadModel"]))
-    with pytest.raises(ThreefoldError, match="unsupported architecture.*GPT2LMHeadModel.*LlamaForCausalLM"):
+    with pytest.raises(ThreefoldError, match=r"unsupported architecture.*GPT2LMHeadModel.*LlamaForCausalLM"):
         load_model(str(bad))
     rope = _copy_checkpoint(
         src, tmp_path / "yarn", lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0})
     )
-    with pytest.raises(ThreefoldError, match="unsupported rope_scaling type 'yarn'.*llama3"):
+    with pytest.raises(ThreefoldError, match=r"unsupported rope_scaling type 'yarn'.*llama3"):
         load_model(str(rope))
 
 
 def test_missing_model_and_files_are_clear(tmp_path):
-    with pytest.raises(ModelNotFoundError, match="no model named 'no-such-model'.*smollm2-135m"):
+    with pytest.raises(ModelNotFoundError, match=r"no model named 'no-such-model'.*smollm2-135m"):
         load_model("no-such-model")
-    with pytest.raises(ModelNotFoundError, match="no config.json"):
+    with pytest.raises(ModelNotFoundError, match=r"no config.json"):
         load_model(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ThreefoldError):
@@ -97,7 +98,7 @@ def test_missing_shard_tensor_is_clear(tmp_path):
     index = json.loads((src / "model.safetensors.index.json").read_text())
     del index["weight_map"]["model.layers.1.mlp.down_proj.weight"]
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ThreefoldError, match="missing tensor 'model.layers.1.mlp.down_proj.weight'"):
+    with pytest.raises(ThreefoldError, match=r"missing tensor 'model.layers.1.mlp.down_proj.weight'"):
         load_model(str(src))
 
 
@@ -186,7 +187,7 @@ def test_gguf_file_parser_matches_the_gguf_package():
         if not key.startswith("GGUF."):
             assert ours.metadata[key] == field.contents(), key
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
-    for a, b in zip(ours.tensors, theirs.tensors):
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
         assert a.tensor_type == b.tensor_type and a.data.dtype == b.data.dtype
         assert np.array_equal(a.data, b.data), a.name
 

@@ -7,9 +7,13 @@ the same file to fp32. Tiny random checkpoints cover the architecture variants.
 from __future__ import annotations
 
 import os
+from itertools import pairwise
 
 import pytest
 import torch
+
+from threefold.model.loader import load_model
+
 from model_fixtures import (
     TINY_VARIANTS,
     DenseCacheAttention,
@@ -19,8 +23,6 @@ from model_fixtures import (
     make_tiny_checkpoint,
     smollm2_gguf_path,
 )
-
-from threefold.model.loader import load_model
 
 PROMPTS = [
     "The capital of France is",
@@ -108,7 +110,7 @@ def test_smollm2_batched_prefill_matches_single(smollm2_pair):
 
     def varlen_attention(layer_idx, q, k, v):
         return torch.cat([dense_causal_attention(layer_idx, q[a:b], k[a:b], v[a:b])
-                          for a, b in zip(bounds, bounds[1:])])
+                          for a, b in pairwise(bounds)])
 
     ids = torch.tensor(seqs[0] + seqs[1])
     positions = torch.cat([torch.arange(len(s)) for s in seqs])
@@ -149,8 +151,8 @@ def test_tiny_variant_logits_match_transformers(tiny_dirs, variant):
         # cache path are exercised too.
         attention = DenseCacheAttention()
         chunks = [ours.model.compute_logits(ours.model(ids[:16], torch.arange(16), attention))]
-        for pos in range(16, 24):
-            chunks.append(ours.model.compute_logits(ours.model(ids[pos : pos + 1], torch.tensor([pos]), attention)))
+        chunks += [ours.model.compute_logits(ours.model(ids[pos : pos + 1], torch.tensor([pos]), attention))
+                   for pos in range(16, 24)]  # in order: each decode step reads the cache the last one wrote
     actual = torch.cat(chunks)
     assert expected.abs().max() > 1.0  # random weights big enough that a bug would show
     torch.testing.assert_close(actual, expected, atol=TINY_LOGIT_ATOL, rtol=1e-4)

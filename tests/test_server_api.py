@@ -20,7 +20,8 @@ from threefold.engine.llm import LLM
 from threefold.engine.llm_engine import EngineArgs, LLMEngine
 from threefold.sample.params import SamplingParams
 from threefold.server import serving_completions
-from threefold.server.testing import ServerThread
+
+from server_harness import ServerThread
 from server_helpers import metrics, wait_for
 
 MODEL = "smollm2-135m"
@@ -151,7 +152,7 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
     logprobs = result.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 4
     assert "".join(logprobs.tokens) == result.choices[0].text
-    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
         assert logprob <= 0 and 3 <= len(top) <= 4
         assert max(top.values()) == pytest.approx(logprob, abs=1e-5)  # greedy picks the top token
         assert top[token] == pytest.approx(logprob, abs=1e-6)

@@ -16,7 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from threefold.server.testing import ServerProcess
+from server_harness import ServerProcess
 from server_helpers import wait_for
 
 KEY = "sk-test-123"

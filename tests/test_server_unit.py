@@ -10,17 +10,19 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import httpx
 import openai
 import pytest
 
-from threefold.engine.llm_engine import EngineStats
 from threefold.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from threefold.engine.llm_engine import EngineStats
 from threefold.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from threefold.errors import ContextLengthError, ThreefoldError
 from threefold.sample.params import SamplingParams
-from threefold.server.testing import ServerThread
+
+from server_harness import ServerThread
 from server_helpers import metrics, wait_for
 
 
@@ -58,8 +60,8 @@ class FakeEngine:
 
     model_name = "fake"
     max_model_len = 64
-    generation_defaults: dict = {}
-    eos_token_ids: list[int] = []
+    generation_defaults: ClassVar[dict] = {}
+    eos_token_ids: ClassVar[list[int]] = []
     vocab_size = 256
 
     def __init__(self, max_running: int = 8, step_delay_s: float = 0.01) -> None:

@@ -7,23 +7,27 @@ import os
 import sys
 import uuid
 
-from threefold.config import SchedulerConfig
+from threefold.config import CacheConfig, ModelConfig, SchedulerConfig
 from threefold.errors import ThreefoldError
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine knobs shared by generate, chat and serve."""
-    parser.add_argument("--model", default="smollm2-135m", help="registry name, GGUF file or HF directory")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="e.g. 2GiB, 512MiB or bytes")
-    defaults = SchedulerConfig()  # the engine's own defaults, one source
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
+    """Engine knobs shared by generate, chat and serve; every default is read from threefold/config.py."""
+    model, cache, sched = ModelConfig(), CacheConfig(), SchedulerConfig()
+    parser.add_argument("--model", default=model.model, help="registry name, GGUF file or HF directory")
+    parser.add_argument("--dtype", default=model.dtype, choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--max-model-len", type=int, default=model.max_model_len)
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=cache.kv_cache_memory,
+                        help="e.g. 2GiB, 512MiB or bytes (default: a share of free RAM)")
+    parser.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens,
                         help="tokens per step: prefill chunks and decodes together")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=cache.block_size)
+    parser.add_argument("--kv-cache-dtype", default=cache.kv_cache_dtype,
+                        help="KV codec: auto, int8, fp8 (=fp8_e4m3), fp8_e5m2, int4[:group=32]")
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        default=cache.enable_prefix_caching)
+    parser.add_argument("--seed", type=int, default=model.seed)
 
 
 def engine_args_from(ns: argparse.Namespace):
@@ -31,7 +35,8 @@ def engine_args_from(ns: argparse.Namespace):
     return EngineArgs(model=ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len,
                       kv_cache_memory=ns.kv_cache_memory, block_size=ns.block_size, max_num_seqs=ns.max_num_seqs,
                       max_num_batched_tokens=ns.max_num_batched_tokens,
-                      enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed)
+                      enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed,
+                      kv_cache_dtype=ns.kv_cache_dtype)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -68,7 +73,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], _params(ns))
     else:
         outputs = llm.generate(prompts, _params(ns))
-    for prompt, output in zip(prompts, outputs):
+    for prompt, output in zip(prompts, outputs, strict=True):
         completion = output.outputs[0]
         print(f"### prompt: {prompt}\n{completion.text}\n[{len(completion.token_ids)} tokens, "
               f"finish_reason={completion.finish_reason}]")
@@ -96,6 +101,21 @@ def cmd_models(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_info(ns: argparse.Namespace) -> int:
+    """What a KV budget holds under each codec, for one model (reads its config, not its weights)."""
+    from threefold.kv.capacity import arch_config, capacity_rows
+    config = arch_config(ns.model, ns.dtype)
+    budget = ns.kv_cache_memory or 256 << 20
+    print(f"{ns.model}: {config.num_layers} layers, {config.num_kv_heads} KV heads x {config.head_dim}, "
+          f"{str(config.dtype).removeprefix('torch.')}; KV budget {budget / 2**20:.0f} MiB")
+    print(f"{'kv_cache_dtype':<16} {'bytes/token':>12} {'tokens':>10} {'vs auto':>8}")
+    rows = capacity_rows(config, budget, ns.block_size)
+    for row in rows:
+        print(f"{row['kv_cache_dtype']:<16} {row['bytes_per_token']:>12.0f} {row['capacity_tokens']:>10} "
+              f"{row['capacity_tokens'] / max(rows[0]['capacity_tokens'], 1):>7.2f}x")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="threefold", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     pull_parser.add_argument("names", nargs="+")
     pull_parser.set_defaults(func=cmd_pull)
     sub.add_parser("models", help="list named models").set_defaults(func=cmd_models)
+    info = sub.add_parser("info", help="KV-cache capacity of a model under each kv_cache_dtype")
+    info.add_argument("--model", default="smollm2-135m")
+    info.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    info.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="budget; default 256MiB")
+    info.add_argument("--block-size", type=int, default=16)
+    info.set_defaults(func=cmd_info)
     _add_optional(sub, "threefold.server.cli")
     _add_optional(sub, "threefold.bench.cli")
     return parser

@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from threefold.errors import ThreefoldError
+from threefold.kv.spec import parse_kv_spec
 
 _DTYPES = ("auto", "float32", "bfloat16")
+
+DEFAULT_MODEL = "smollm2-135m"
+"""The registry name loaded when none is given (CLI, server, LLM(), benchmarks); the registry re-exports it."""
 
 
 def _require(ok: bool, message: str, param: str) -> None:
@@ -16,7 +20,7 @@ def _require(ok: bool, message: str, param: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     """Registry name, GGUF file path or Hugging Face checkpoint directory."""
     dtype: str = "auto"
     """Weight/compute dtype: auto (checkpoint's; bf16 for quantized GGUF), float32, bfloat16."""
@@ -39,12 +43,15 @@ class CacheConfig:
     """Bytes for the KV pool; None = a safe fraction of available RAM (capped)."""
     enable_prefix_caching: bool = True
     """Reuse KV of identical prompt prefixes across requests."""
+    kv_cache_dtype: str = "auto"
+    """KV codec spec (vLLM's name): auto, int8, fp8, fp8_e5m2, int4[:group=32]; see threefold/kv/spec.py."""
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
                  f"block_size must be a power of two up to 128, got {self.block_size}.", "block_size")
         _require(self.kv_cache_memory is None or self.kv_cache_memory > 0,
                  f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}.", "kv_cache_memory")
+        parse_kv_spec(self.kv_cache_dtype)  # raises, listing the codecs and their parameters
 
 
 @dataclass(frozen=True, slots=True)

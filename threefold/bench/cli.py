@@ -12,6 +12,7 @@ import json
 import shlex
 import sys
 
+from threefold.config import DEFAULT_MODEL
 from threefold.errors import ThreefoldError
 
 
@@ -85,16 +86,17 @@ def _add_peers(sub: argparse._SubParsersAction) -> None:
     install.add_argument("--force", action="store_true", help="reinstall from scratch")
     install.set_defaults(func=_peers_install)
     convert = psub.add_parser("convert", help="dequantize a GGUF model to an HF directory (for vLLM, transformers)")
-    convert.add_argument("--model", default="smollm2-135m")
+    convert.add_argument("--model", default=DEFAULT_MODEL)
     convert.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     convert.add_argument("--force", action="store_true")
     convert.set_defaults(func=_peers_convert)
     cmd = psub.add_parser("serve-cmd", help="print the command that serves a model with a peer")
     cmd.add_argument("peer", choices=("vllm", "llamacpp", "threefold"))
-    cmd.add_argument("--model", default="smollm2-135m")
+    cmd.add_argument("--model", default=DEFAULT_MODEL)
     cmd.add_argument("--port", type=int, default=8000)
     cmd.add_argument("--max-model-len", type=int, default=2048)
-    cmd.add_argument("--dtype", default="bfloat16", help="vLLM compute dtype")
+    cmd.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                     help="compute dtype (threefold, vLLM); auto: bf16 only on CPUs with native bf16")
     cmd.set_defaults(func=_peers_serve_cmd)
     psub.add_parser("status", help="which peers are installed").set_defaults(func=_peers_status)
 
@@ -122,7 +124,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_serve_args(offline, with_server=False)
     add_offline_args(offline)
     offline.add_argument("--out", default=None)
-    offline.set_defaults(func=_offline, model="smollm2-135m")
+    offline.set_defaults(func=_offline, model=DEFAULT_MODEL)
     _add_peers(sub)
     return bench
 

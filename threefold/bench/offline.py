@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from threefold.bench.datasets import Session
-from threefold.bench.peers import converted_dir, convert, is_installed, venv_python
+from threefold.bench.peers import best_dtype, convert, converted_dir, is_installed, venv_python
+from threefold.bench.report import cpu_record
 from threefold.bench.serve import build_workload
 from threefold.bench.tokenizer import load_tokenizer, resolve_model_path
 from threefold.errors import ThreefoldError
@@ -44,11 +45,13 @@ def _hf_dir(model: str) -> Path:
                                        else convert(model))
 
 
-def run_threefold(model: str, requests: list[dict], dtype: str, max_model_len: int) -> float:
+def run_threefold(model: str, requests: list[dict], dtype: str, max_model_len: int,
+                  kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None) -> float:
     from threefold.engine.llm import LLM
     from threefold.sample.params import SamplingParams
 
-    llm = LLM(model, dtype=dtype, max_model_len=max_model_len)
+    llm = LLM(model, dtype=dtype, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
+              kv_cache_memory=kv_cache_memory)
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
     params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in requests]
     llm.generate(prompts[:1], params[:1])  # warm-up
@@ -104,9 +107,10 @@ def run_transformers(model: str, requests: list[dict], dtype: str, batch_size: i
 def run_offline(args: argparse.Namespace, requests: list[dict] | None = None) -> dict:
     """One engine on the workload; returns an `offline` result document for `bench report`."""
     requests = requests if requests is not None else token_workload(args)
-    dtype = args.dtype
+    dtype = args.dtype = best_dtype(args.dtype)  # the same concrete dtype for every engine, recorded
     if args.engine == "threefold":
-        elapsed = run_threefold(args.model, requests, dtype, args.max_total_len)
+        elapsed = run_threefold(args.model, requests, dtype, args.max_total_len, args.kv_cache_dtype,
+                                args.kv_cache_memory)
     elif args.engine == "vllm":
         elapsed = run_vllm(args.model, requests, dtype, args.max_total_len)
     else:
@@ -117,13 +121,17 @@ def run_offline(args: argparse.Namespace, requests: list[dict] | None = None) ->
             "num_prompts": len(requests), "input_tokens": in_tokens, "output_tokens": out_tokens,
             "elapsed_s": elapsed, "output_tokens_per_s": out_tokens / elapsed,
             "total_tokens_per_s": (in_tokens + out_tokens) / elapsed, "requests_per_s": len(requests) / elapsed,
-            "config": {k: v for k, v in vars(args).items() if not callable(v)}}
+            "cpu": cpu_record(), "config": {k: v for k, v in vars(args).items() if not callable(v)}}
 
 
 def add_offline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=ENGINES, default="threefold")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                        help="every engine's compute dtype; auto: bf16 only on CPUs with native bf16, else fp32")
     parser.add_argument("--batch-size", type=int, default=16, help="transformers: static batch size")
+    from threefold.cli import parse_bytes
+    parser.add_argument("--kv-cache-dtype", default="auto", help="threefold: KV codec spec (see threefold info)")
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="threefold: KV budget, e.g. 64MiB")
 
 
 def offline_main(args: argparse.Namespace) -> int:

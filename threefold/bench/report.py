@@ -1,6 +1,6 @@
 """`threefold bench report`: result JSONs -> a markdown table and PNG plots in one folder.
 
-    DIR/report.md                     one row per serve run (+ offline rows)
+    DIR/report.md                     per CPU class: one row per serve run (+ offline rows)
     DIR/throughput_vs_concurrency.png output tok/s against max concurrency, a line per label
     DIR/ttft_cdf.png, tpot_cdf.png    per-request CDFs, a line per run
     DIR/goodput_vs_rate.png           goodput against request rate (runs with SLOs)
@@ -15,6 +15,45 @@ from collections import defaultdict
 from pathlib import Path
 
 from threefold.errors import ThreefoldError
+
+UNKNOWN_CPU = {"cpu_class": "unknown", "model": "not recorded"}
+"""What a result file written before runs recorded their CPU is grouped under."""
+
+
+def cpu_record() -> dict:
+    """The CPU this process runs on, as every result file records it (see threefold/cpu.py)."""
+    from threefold.cpu import cpu_info
+
+    return cpu_info().as_dict()
+
+
+def cpu_of(doc: dict) -> dict:
+    return doc.get("cpu") or UNKNOWN_CPU
+
+
+def cpu_class_of(doc: dict) -> str:
+    return cpu_of(doc)["cpu_class"]
+
+
+def by_cpu_class(docs: list[dict]) -> dict[str, list[dict]]:
+    """Docs grouped by CPU class, in first-seen order: numbers from different classes never share a table."""
+    groups: dict[str, list[dict]] = {}
+    for doc in docs:
+        groups.setdefault(cpu_class_of(doc), []).append(doc)
+    return groups
+
+
+def cpu_heading(cpu_class: str, docs: list[dict]) -> str:
+    """`CPU class avx2: AMD EPYC 7B13 (torch AVX2, 2 threads)`, listing every model seen in the group."""
+    described = []
+    for doc in docs:
+        cpu = cpu_of(doc)
+        text = cpu["model"]
+        if cpu.get("torch_capability"):
+            text += f" (torch {cpu['torch_capability']}, {cpu.get('num_threads')} threads)"
+        if text not in described:
+            described.append(text)
+    return f"CPU class {cpu_class}: " + "; ".join(described)
 
 SERVE_COLUMNS = ("label", "dataset", "rate", "conc", "ok", "fail", "req/s", "out tok/s", "TTFT mean ms",
                  "TTFT p50", "TTFT p99", "TPOT mean ms", "TPOT p99", "ITL p50 ms", "E2E p50 s",
@@ -85,17 +124,25 @@ def _per_turn_table(docs: list[dict]) -> str:
     return markdown_table(["run", "turn", "ok", "prompt tokens", "TTFT mean ms", "TTFT p90 ms", "cached %"], rows)
 
 
-def markdown(docs: list[dict], plots: list[str]) -> str:
+def _class_sections(docs: list[dict]) -> list[str]:
+    """The tables of one CPU class."""
     serve = [d for d in docs if d["kind"] == "serve"]
     offline = [d for d in docs if d["kind"] == "offline"]
-    parts = ["# threefold bench report", ""]
+    parts = []
     if serve:
         serve.sort(key=lambda d: (d["label"], _conc(d) or 0, _rate(d)))
-        parts += ["## Serving", "", markdown_table(SERVE_COLUMNS, [serve_row(d) for d in serve]), ""]
+        parts += ["### Serving", "", markdown_table(SERVE_COLUMNS, [serve_row(d) for d in serve]), ""]
         if any(d["summary"].get("per_turn") for d in serve):
-            parts += ["## TTFT by session turn", "", _per_turn_table(serve), ""]
+            parts += ["### TTFT by session turn", "", _per_turn_table(serve), ""]
     if offline:
-        parts += ["## Offline throughput", "", _offline_table(offline), ""]
+        parts += ["### Offline throughput", "", _offline_table(offline), ""]
+    return parts
+
+
+def markdown(docs: list[dict], plots: list[str]) -> str:
+    parts = ["# threefold bench report", ""]
+    for cpu_class, group in by_cpu_class(docs).items():
+        parts += [f"## {cpu_heading(cpu_class, group)}", "", *_class_sections(group)]
     parts += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     parts += ["", "Sources: " + ", ".join(Path(d["_path"]).name for d in docs)]
     return "\n".join(parts) + "\n"
@@ -110,6 +157,12 @@ def _cdf(ax, values: list[float], label: str, scale: float) -> None:
 def _run_name(doc: dict) -> str:
     conc, rate = _conc(doc), _rate(doc)
     return doc["label"] + (f" c={conc}" if conc else "") + ("" if math.isinf(rate) else f" r={rate:g}")
+
+
+def _line_label(doc: dict, mixed: bool, name: str | None = None) -> str:
+    """A plot line's label; with several CPU classes in one report, the class is part of it."""
+    name = name or doc["label"]
+    return f"{name} [{cpu_class_of(doc)}]" if mixed else name
 
 
 def _save(fig, out: Path, name: str, plots: list[str]) -> None:
@@ -140,13 +193,14 @@ def plot(docs: list[dict], out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     serve, plots = [d for d in docs if d["kind"] == "serve"], []
+    mixed = len(by_cpu_class(serve)) > 1
     throughput: dict[str, list] = defaultdict(list)
     goodput: dict[str, list] = defaultdict(list)
     for d in serve:
         if _conc(d):
-            throughput[d["label"]].append((_conc(d), d["summary"]["output_throughput"]))
+            throughput[_line_label(d, mixed)].append((_conc(d), d["summary"]["output_throughput"]))
         if d["summary"].get("goodput") is not None and not math.isinf(_rate(d)):
-            goodput[d["label"]].append((_rate(d), d["summary"]["goodput"]))
+            goodput[_line_label(d, mixed)].append((_rate(d), d["summary"]["goodput"]))
     if throughput:
         _save(_line_plot(throughput, "max concurrency", "output tokens/s", "Throughput vs concurrency"),
               out, "throughput_vs_concurrency.png", plots)
@@ -157,15 +211,17 @@ def plot(docs: list[dict], out: Path) -> list[str]:
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
         values = [v for d in serve for r in d.get("requests", []) if (v := r.get(metric))]
         for d in serve:
-            _cdf(ax, [r[metric] for r in d.get("requests", []) if r.get(metric) is not None], _run_name(d), 1e3)
+            _cdf(ax, [r[metric] for r in d.get("requests", []) if r.get(metric) is not None],
+                 _line_label(d, mixed, _run_name(d)), 1e3)
         if values and max(values) > 20 * min(values):
             ax.set_xscale("log")  # runs from idle to overloaded span decades
         ax.set(xlabel=f"{title} (ms)", ylabel="fraction of requests", title=f"{title} CDF")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         _save(fig, out, f"{metric}_cdf.png", plots)
-    turns = {_run_name(d): [(t["turn"], t["ttft"]["mean"] * 1e3) for t in d["summary"].get("per_turn", [])
-                            if t["ttft"]] for d in serve if d["summary"].get("per_turn")}
+    turns = {_line_label(d, mixed, _run_name(d)): [(t["turn"], t["ttft"]["mean"] * 1e3)
+                                                   for t in d["summary"].get("per_turn", []) if t["ttft"]]
+             for d in serve if d["summary"].get("per_turn")}
     if turns:
         _save(_line_plot(turns, "turn index", "mean TTFT (ms)", "TTFT by session turn"),
               out, "ttft_per_turn.png", plots)

@@ -15,12 +15,14 @@ import json
 import math
 import platform
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from threefold.bench.client import RequestResult
 from threefold.bench.datasets import (DATASETS, LengthLimits, SampleRequest, Session, load_humaneval,
                                       load_random, load_sharegpt, load_sharegpt_sessions)
 from threefold.bench.loadgen import LoadConfig, fetch_model_name, run_requests, run_sessions
 from threefold.bench.metrics import SLO, format_summary, summarize
+from threefold.bench.report import UNKNOWN_CPU, cpu_record
 from threefold.bench.tokenizer import load_tokenizer
 from threefold.errors import ThreefoldError
 
@@ -133,7 +135,15 @@ async def run_serve(args: argparse.Namespace) -> dict:
     config = {**vars(args), "model": model, "endpoint": endpoint}
     doc = result_document(config, args.label or model, workload_stats(workload), results, summary)
     doc["started_at"] = started
+    doc["cpu"] = server_cpu(args.base_url)
     return doc
+
+
+def server_cpu(base_url: str) -> dict:
+    """The server's CPU where we can know it: ours when it runs here (sweeps start servers here)."""
+    if urlsplit(base_url).hostname in ("127.0.0.1", "localhost", "::1", platform.node()):
+        return cpu_record()
+    return {**UNKNOWN_CPU, "model": f"remote server {base_url}: not recorded", "client": cpu_record()}
 
 
 def result_document(config: dict, label: str, workload: dict, results: list[RequestResult],

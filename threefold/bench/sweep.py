@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from threefold.bench.peers import serve_command
+from threefold.bench.peers import best_dtype, serve_command
 from threefold.bench.report import write_report
 from threefold.bench.serve import run_serve, write_results
 from threefold.errors import ThreefoldError
@@ -48,10 +48,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def parse_server(text: str, model: str, port: int, max_model_len: int = 2048) -> ServerSpec:
+def parse_server(text: str, model: str, port: int, max_model_len: int = 2048, dtype: str = "auto") -> ServerSpec:
     """`vllm` / `llamacpp` / `threefold`, or `LABEL=COMMAND` with {port} and {model} placeholders."""
     if text in BUILTIN_SERVERS:
-        command, env = serve_command(text, model, port, max_model_len=max_model_len)
+        command, env = serve_command(text, model, port, max_model_len=max_model_len, dtype=dtype)
         return ServerSpec(text, command, env)
     label, sep, command = text.partition("=")
     if not sep or not label or not command.strip():
@@ -156,10 +156,11 @@ def run_sweep(args: argparse.Namespace) -> list[Path]:
     if not args.model:
         raise ThreefoldError("sweep needs --model (the name servers are started with)", param="model")
     out_dir, points, paths = Path(args.out_dir), _points(args), []
+    args.dtype = best_dtype(args.dtype)  # recorded concrete in every result's config
     for rnd in range(args.rounds):
         for text in args.server:
             port = free_port()
-            spec = parse_server(text, args.model, port, args.max_total_len)
+            spec = parse_server(text, args.model, port, args.max_total_len, args.dtype)
             log = out_dir / "logs" / f"{spec.label}_round{rnd}.log"
             with ManagedServer(spec, port, log, args.startup_timeout) as server:
                 paths += [run_point(args, server, key, value, rnd, i, out_dir) for i, (key, value) in enumerate(points)]
@@ -178,4 +179,7 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /v1/models")
     parser.add_argument("--same-prompts", action="store_true",
                         help="send the same prompts at every point (default: a fresh sample per point)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="compute dtype of the built-in servers (threefold, vLLM), the same for both; "
+                             "auto: bf16 only on CPUs with native bf16 (AVX512_BF16/AMX), else fp32")
     parser.add_argument("--out-dir", required=True)

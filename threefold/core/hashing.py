@@ -7,7 +7,7 @@
 Each full block's hash covers every token before it, so equal hashes mean
 equal prefixes (and the pool still compares the tokens on a hit, so a hash
 collision can never serve wrong KV). The seed mixes in a fingerprint of the
-model so caches of different weights never meet. SHA-256, not Python's
+model and the KV codec spec so caches of different weights or codecs never meet. SHA-256, not Python's
 `hash`, so hashes are stable across processes (the KV tiers rely on that).
 """
 
@@ -17,8 +17,11 @@ import hashlib
 from array import array
 
 
-def seed_hash(model_fingerprint: str) -> bytes:
-    return hashlib.sha256(b"threefold-prefix-v1:" + model_fingerprint.encode()).digest()
+def seed_hash(model_fingerprint: str, kv_cache_spec: str = "auto") -> bytes:
+    """The chain's root: blocks of another model, or of another KV codec (whose blocks hold
+    other bytes), never share a hash."""
+    return hashlib.sha256(b"threefold-prefix-v1:" + model_fingerprint.encode() + b"|kv:"
+                          + kv_cache_spec.encode()).digest()
 
 
 def hash_block(parent_hash: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:

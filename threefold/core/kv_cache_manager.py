@@ -29,11 +29,11 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, model_fingerprint: str,
-                 enable_caching: bool = True) -> None:
+                 enable_caching: bool = True, kv_cache_spec: str = "auto") -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.seed = seed_hash(model_fingerprint)
+        self.seed = seed_hash(model_fingerprint, kv_cache_spec)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()

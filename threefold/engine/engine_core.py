@@ -29,7 +29,7 @@ def default_kv_cache_memory() -> int:
 class EngineCore:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig,
                  max_model_len: int, device: str = "cpu") -> None:
-        self.runner = ModelRunner(loaded, cache.block_size, device=device)
+        self.runner = ModelRunner(loaded, cache.block_size, cache.kv_cache_dtype, device=device)
         budget = cache.kv_cache_memory or default_kv_cache_memory()
         num_blocks = budget // self.runner.bytes_per_block() + 1  # +1: the null block
         min_blocks = -(-max_model_len // cache.block_size) + 1
@@ -39,9 +39,15 @@ class EngineCore:
                 f"{min_blocks - 1} one {max_model_len}-token request needs; raise kv_cache_memory "
                 f"or lower max_model_len.", param="kv_cache_memory")
         self.runner.initialize_kv_cache(num_blocks)
-        self.kv = KVCacheManager(num_blocks, cache.block_size, loaded.fingerprint, cache.enable_prefix_caching)
+        spec = str(self.runner.codec.spec)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, loaded.fingerprint, cache.enable_prefix_caching, spec)
         self.scheduler = Scheduler(sched, self.kv, max_model_len)
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB)", num_blocks - 1,
+        self.cache_info = {"kv_cache_dtype": spec, "block_size": cache.block_size, "num_blocks": num_blocks - 1,
+                           "bytes_per_token": self.runner.bytes_per_block() / cache.block_size,
+                           "capacity_tokens": self.kv.capacity_tokens, "kv_cache_memory": budget}
+        """What the KV pool holds (startup log, /metrics, `threefold info`)."""
+        logger.info("KV cache: kv_cache_dtype=%s, %.1f bytes/token, %d blocks of %d tokens = %d tokens (%.1f MiB)",
+                    spec, self.cache_info["bytes_per_token"], num_blocks - 1,
                     cache.block_size, self.kv.capacity_tokens, budget / 2**20)
 
     def add_request(self, request: Request) -> None:

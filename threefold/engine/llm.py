@@ -13,6 +13,7 @@ from threefold.engine.outputs import RequestOutput
 from threefold.sample.params import SamplingParams
 
 PromptType = str | dict
+_DEFAULTS = EngineArgs()  # LLM()'s defaults are the engine's: threefold/config.py is their one source
 
 
 class LLM:
@@ -22,14 +23,18 @@ class LLM:
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
     """
 
-    def __init__(self, model: str = "smollm2-135m", dtype: str = "auto", max_model_len: int | None = None,
-                 kv_cache_memory: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, seed: int = 0, block_size: int = 16,
-                 device: str = "cpu") -> None:
+    def __init__(self, model: str = _DEFAULTS.model, dtype: str = _DEFAULTS.dtype,
+                 max_model_len: int | None = _DEFAULTS.max_model_len,
+                 kv_cache_memory: int | None = _DEFAULTS.kv_cache_memory, max_num_seqs: int = _DEFAULTS.max_num_seqs,
+                 max_num_batched_tokens: int = _DEFAULTS.max_num_batched_tokens,
+                 enable_prefix_caching: bool = _DEFAULTS.enable_prefix_caching, seed: int = _DEFAULTS.seed,
+                 block_size: int = _DEFAULTS.block_size, device: str = _DEFAULTS.device,
+                 kv_cache_dtype: str = _DEFAULTS.kv_cache_dtype) -> None:
         args = EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                           block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
-                          enable_prefix_caching=enable_prefix_caching, seed=seed, device=device)
+                          enable_prefix_caching=enable_prefix_caching, seed=seed, device=device,
+                          kv_cache_dtype=kv_cache_dtype)
         self.engine = LLMEngine.from_args(args)
         self._ids = itertools.count()
 

@@ -26,26 +26,28 @@ from threefold.sample.params import SamplingParams
 logger = logging.getLogger(__name__)
 
 EngineStats = SchedulerStats
+_MODEL, _CACHE, _SCHED = ModelConfig(), CacheConfig(), SchedulerConfig()  # the defaults' one source
 
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """Everything needed to build an engine; each field is documented on its config."""
+    """Everything needed to build an engine; each field is documented, and defaulted, on its config."""
 
-    model: str = "smollm2-135m"
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    kv_cache_memory: int | None = None
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    seed: int = 0
+    model: str = _MODEL.model
+    dtype: str = _MODEL.dtype
+    max_model_len: int | None = _MODEL.max_model_len
+    kv_cache_memory: int | None = _CACHE.kv_cache_memory
+    block_size: int = _CACHE.block_size
+    max_num_seqs: int = _SCHED.max_num_seqs
+    max_num_batched_tokens: int = _SCHED.max_num_batched_tokens
+    enable_prefix_caching: bool = _CACHE.enable_prefix_caching
+    kv_cache_dtype: str = _CACHE.kv_cache_dtype
+    seed: int = _MODEL.seed
     device: str = "cpu"
 
     def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         return (ModelConfig(self.model, self.dtype, self.max_model_len, self.seed),
-                CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching),
+                CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching, self.kv_cache_dtype),
                 SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens))
 
 

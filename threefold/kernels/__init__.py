@@ -1,11 +1,23 @@
 """Native CPU kernels, compiled on first use with torch's C++ extension builder.
 
-`cpu_kernels()` returns the built module, or None where it cannot be built
-(no compiler, an unsupported platform, or THREEFOLD_ATTENTION=torch); callers
-then take their plain-PyTorch path, which computes the same thing. The build
-(about a minute on 2 cores) happens once per machine and torch version and is
-cached under $THREEFOLD_HOME/kernels; -march=native is safe because the cache
-key includes the CPU's flags.
+Every `*.cpp` in this folder is one translation unit of the same module. A file names
+the functions it exports in a comment line,
+
+    // threefold-exports: linear_small argmax_rows
+
+and defines each of them at file scope; the loader binds them (the declarations are
+read from the definitions). Files compile separately, so each keeps its helpers in an
+anonymous namespace without clashing with the others'; shared inline helpers live in
+kernel_common.h.
+
+A build is made for a named target (`TARGETS`): "native" (-march=native, the engine's
+build: `cpu_kernels()`), "x86-64-v3" (AVX2, FMA, F16C) and "x86-64-v2" (SSE4.2), each
+its own module and cache directory under $THREEFOLD_HOME/kernels, keyed by torch
+version, sources and flags (and, for native, the CPU's flags). The portable builds let
+the tests run every kernel path the CPU can execute, whatever -march=native picks.
+`cpu_kernels()` returns None where the native build cannot be made (no compiler, an
+unsupported platform, or THREEFOLD_ATTENTION=torch); callers then take their plain
+PyTorch path, which computes the same thing. A build takes about a minute on 2 cores.
 """
 
 from __future__ import annotations
@@ -15,6 +27,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -25,25 +38,89 @@ from threefold.env import Env
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-_FUNCTIONS = ["paged_decode_attention", "add_rms_norm", "rotary_embedding", "silu_and_mul", "set_amx", "linear_small", "argmax_rows"]
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+FEW_ROWS_MAX = 2
+"""`linear_small` beats torch's linear (MKL fp32 / oneDNN bf16) up to this many rows of x."""
+
+_DIR = Path(__file__).parent
+_EXPORTS = re.compile(r"^//\s*threefold-exports:(.*)$", re.MULTILINE)
+
+TARGETS = {
+    "native": ["-march=native"],
+    "x86-64-v3": ["-march=x86-64-v3", "-mtune=generic"],
+    "x86-64-v2": ["-march=x86-64-v2", "-mtune=generic"],
+}
+"""Build targets and their -march flags."""
+_TARGET_CPU_FLAGS = {  # /proc/cpuinfo flags each x86-64 level needs (psABI; abm = lzcnt)
+    "x86-64-v2": {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"},
+    "x86-64-v3": {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3",
+                  "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"},
+}
+_CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]
 """-fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers (without it, one thread);
 the extension's libgomp.so.1 resolves to the copy torch has already loaded. -ffast-math lets
 the dot products reassociate (vectorize) and exp use the vector math library."""
-_X86_CFLAGS = ["-mprefer-vector-width=512"]  # gcc defaults to 256-bit vectors on Intel
+_NATIVE_X86_CFLAGS = ["-mprefer-vector-width=512"]  # gcc defaults to 256-bit vectors on Intel
 
 
-def _cpu_tag() -> str:
-    flags = ""
+def _cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                flags = line
-                break
+                return set(line.split(":", 1)[1].split())
     except OSError:
-        flags = platform.processor()
-    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+        pass
+    return set()
+
+
+def available_targets() -> list[str]:
+    """The build targets this CPU can run, native first."""
+    if sys.platform != "linux":
+        return []
+    if platform.machine() != "x86_64":
+        return ["native"]
+    flags = _cpu_flags()
+    return ["native"] + [t for t in ("x86-64-v3", "x86-64-v2") if _TARGET_CPU_FLAGS[t] <= flags]
+
+
+def _sources() -> list[Path]:
+    return sorted(_DIR.glob("*.cpp"))
+
+
+def _declarations(path: Path, text: str) -> tuple[list[str], list[str]]:
+    """The names a source exports and a declaration for each, read off its definition
+    (`<return type> name(<params>) {` at the start of a line)."""
+    names = [n for line in _EXPORTS.findall(text) for n in line.split()]
+    declarations = []
+    for name in names:
+        found = re.search(rf"^([A-Za-z_][\w:<>, ]*?)\s+{name}\s*\(([^()]*)\)\s*\{{", text, re.MULTILINE)
+        if found is None:
+            raise RuntimeError(f"{path.name} exports {name} but defines no `type {name}(...) {{` at file scope")
+        declarations.append(f"{found.group(1)} {name}({found.group(2)});")
+    return names, declarations
+
+
+def _bindings(sources: list[Path]) -> str:
+    """The module's one pybind11 file: a declaration and an m.def per exported function."""
+    lines, defs = ["#include <torch/extension.h>"], []
+    for path in sources:
+        names, declarations = _declarations(path, path.read_text())
+        lines += declarations
+        defs += [f'  m.def("{n}", torch::wrap_pybind_function({n}), "{n}");' for n in names]
+    return "\n".join([*lines, "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {", *defs, "}", ""])
+
+
+def _flags(target: str) -> list[str]:
+    native_x86 = target == "native" and platform.machine() == "x86_64"
+    return _CFLAGS + TARGETS[target] + (_NATIVE_X86_CFLAGS if native_x86 else [])
+
+
+def _build_dir(target: str, sources: list[Path], flags: list[str]) -> Path:
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for path in [*sources, *_DIR.glob("*.h")]:
+        digest.update(path.name.encode() + path.read_bytes())
+    if target == "native":  # -march=native means this CPU
+        digest.update(" ".join(sorted(_cpu_flags())).encode() or platform.processor().encode())
+    return Env.read().home / "kernels" / f"{target}-torch{torch.__version__.split('+')[0]}-{digest.hexdigest()[:12]}"
 
 
 def _ensure_ninja_on_path() -> None:
@@ -59,20 +136,35 @@ def _ensure_ninja_on_path() -> None:
 
 
 @functools.cache
-def cpu_kernels() -> ModuleType | None:
-    env = Env.read()
-    if env.attention_backend == "torch" or sys.platform != "linux":
-        return None
+def build_kernels(target: str = "native") -> ModuleType:
+    """Builds (or loads the cached build of) the kernels for `target`, one of TARGETS.
+    Raises where it cannot be built; the module's `build_isa()` says which paths it holds."""
+    if target not in TARGETS:
+        raise ValueError(f"unknown kernel build target {target!r}; choose one of {sorted(TARGETS)}")
     from torch.utils import cpp_extension
 
-    build_dir = env.home / "kernels" / f"torch{torch.__version__.split('+')[0]}-{_cpu_tag()}"
+    sources, flags = _sources(), _flags(target)
+    build_dir = _build_dir(target, sources, flags)
     build_dir.mkdir(parents=True, exist_ok=True)
+    bindings = build_dir / "bindings.cpp"
+    text = _bindings(sources)
+    if not bindings.exists() or bindings.read_text() != text:  # rewritten only on change: ninja keeps the .o
+        bindings.write_text(text)
     _ensure_ninja_on_path()
-    logger.info("loading CPU kernels (the first build on a machine takes about a minute) from %s", build_dir)
+    logger.info("loading CPU kernels for %s (the first build takes about a minute) from %s", target, build_dir)
+    return cpp_extension.load(
+        name="threefold_kernels_" + target.replace("-", "_"), sources=[str(bindings), *map(str, sources)],
+        extra_cflags=flags, extra_include_paths=[str(_DIR)], extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir), verbose=False)
+
+
+@functools.cache
+def cpu_kernels() -> ModuleType | None:
+    """The engine's build (native), or None where it cannot be made: callers use torch."""
+    if Env.read().attention_backend == "torch" or sys.platform != "linux":
+        return None
     try:
-        return cpp_extension.load_inline(
-            name="threefold_cpu_kernels", cpp_sources=_SOURCE.read_text(), functions=_FUNCTIONS,
-            extra_cflags=_CFLAGS + (_X86_CFLAGS if platform.machine() == "x86_64" else []), extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        return build_kernels("native")
     except Exception as exc:  # no compiler, no ninja, ...: the torch path still works
         logger.warning("CPU kernels unavailable (%s: %s); using the plain PyTorch attention path",
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
@@ -80,11 +172,15 @@ def cpu_kernels() -> ModuleType | None:
 
 
 @functools.cache
-def has_few_row_linear(kernels: ModuleType | None) -> bool:
-    """Whether `kernels.linear_small` runs on this build (it needs AVX-512): a probe on a tiny
-    input, once per module. Without it, keeping plain bf16 weights beside the packed ones, or
-    routing few-row calls to it, would buy nothing."""
+def has_few_row_linear(kernels: ModuleType | None, x_dtype: torch.dtype = torch.bfloat16,
+                       w_dtype: torch.dtype | None = None) -> bool:
+    """Whether `kernels.linear_small` runs on this build for x of `x_dtype` and weights of
+    `w_dtype` (default: x's): a probe on a tiny input, once per module and dtype pair. The
+    output (and bias) is fp32 unless both are bf16. Without it, keeping plain weights beside
+    packed ones, or routing few-row calls to it, would buy nothing."""
     if kernels is None:
         return False
-    x, w = torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(16, 32, dtype=torch.bfloat16)
-    return bool(kernels.linear_small(torch.empty(1, 16, dtype=torch.bfloat16), x, w, None))
+    w_dtype = w_dtype or x_dtype
+    out_dtype = torch.bfloat16 if x_dtype == w_dtype == torch.bfloat16 else torch.float32
+    x, w = torch.zeros(1, 32, dtype=x_dtype), torch.zeros(16, 32, dtype=w_dtype)
+    return bool(kernels.linear_small(torch.empty(1, 16, dtype=out_dtype), x, w, None))

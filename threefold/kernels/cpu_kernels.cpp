@@ -20,6 +20,8 @@
 // silu_and_mul -- silu(gate) * up from the fused gate_up projection.
 // All three compute in fp32 and round once to the storage dtype.
 
+// threefold-exports: paged_decode_attention add_rms_norm rotary_embedding silu_and_mul set_amx linear_small argmax_rows
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

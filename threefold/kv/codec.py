@@ -1,36 +1,61 @@
 """KV codecs: how one layer's K/V live inside paged blocks.
 
-Paged layout of one layer (dense codec):
+Paged layout of one layer (every codec keeps this block geometry):
 
-    storage[0] = K   [num_blocks, block_size, num_kv_heads, head_dim]
-    storage[1] = V   [num_blocks, block_size, num_kv_heads, head_dim]
+    K codes   [num_blocks, block_size, num_kv_heads, code_width]    (dense: the K rows themselves)
+    K scales  [num_blocks, block_size, num_kv_heads, num_groups]    (fp32; quantized codecs only)
+    K zeros   [num_blocks, block_size, num_kv_heads, num_groups]    (fp32; asymmetric codecs only)
+    ... and the same for V
     slot = block_id * block_size + offset    (a token's index in the cache)
 
-A quantized codec keeps codes plus scales in the same block geometry and
-decodes on `read`; the attention backend only ever sees `write` and `read`,
-so adding a codec is one new file and one registry line.
+A codec writes a step's K/V at their slots, describes its storage to the native
+attention kernel as a `KVLayout` (codes, scales, zeros: the kernel dequantizes
+one row at a time in registers), and `read`s blocks back densely for the
+plain-torch reference path. Adding a codec is one class in kv/codecs, one
+schema line in kv/spec.py and one registry line in kv/registry.py.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
-from threefold.errors import ThreefoldError
+from threefold.kv.spec import KVSpec
+
+
+@dataclass
+class KVLayout:
+    """One layer's storage as the native kernel reads it (k/v: [num_blocks, block_size, kvh, width])."""
+
+    kind: str
+    """"dense" (k/v are rows in the compute dtype), "int8", "fp8" or "int4"."""
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scales: torch.Tensor | None = None
+    v_scales: torch.Tensor | None = None
+    k_zeros: torch.Tensor | None = None
+    v_zeros: torch.Tensor | None = None
+    lut: torch.Tensor | None = None
+    """fp8: the 256 fp32 values of the code bytes (the kernel decodes by table lookup)."""
 
 
 class KVCodec(ABC):
     """Stores and restores one layer's K/V. Rules: `write` is called before
     `read` within a step (so a step sees its own tokens); `read` returns the
-    compute dtype; the null block (id 0) may be read and must not crash."""
+    compute dtype; the null block (id 0) may be read and must not crash;
+    `bytes_per_block` counts everything a block stores (codes, scales, zeros)."""
 
-    name: str = ""
-
-    def __init__(self, num_kv_heads: int, head_dim: int, compute_dtype: torch.dtype) -> None:
+    def __init__(self, spec: KVSpec, num_kv_heads: int, head_dim: int, compute_dtype: torch.dtype) -> None:
+        self.spec = spec
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.compute_dtype = compute_dtype
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
     @abstractmethod
     def bytes_per_block(self, block_size: int) -> int:
@@ -48,16 +73,17 @@ class KVCodec(ABC):
     def read(self, storage: object, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of the blocks [B, nb] -> each [B, num_kv_heads, nb * block_size, head_dim]."""
 
-    def dense_views(self, storage: object) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """K, V as [num_blocks, block_size, num_kv_heads, head_dim] in the compute dtype, for
-        kernels that attend over blocks in place; None when the codec stores anything else."""
-        return None
+    @abstractmethod
+    def layout(self, storage: object) -> KVLayout:
+        """The storage as the native attention kernel reads it."""
+
+    def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [T, kvh, d] as `read` would return them once written (lossless codecs: unchanged)."""
+        return k, v
 
 
 class DenseCodec(KVCodec):
     """Uncompressed K/V in the model's dtype (bf16 or fp32)."""
-
-    name = "auto"
 
     def bytes_per_block(self, block_size: int) -> int:
         element = torch.empty((), dtype=self.compute_dtype).element_size()
@@ -79,15 +105,5 @@ class DenseCodec(KVCodec):
         kv = kv.view(2, num_seqs, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
         return kv[0], kv[1]  # strided views [B, kvh, L, d]
 
-    def dense_views(self, storage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return storage[0], storage[1]
-
-
-CODECS: dict[str, type[KVCodec]] = {"auto": DenseCodec}
-
-
-def make_codec(name: str, num_kv_heads: int, head_dim: int, compute_dtype: torch.dtype) -> KVCodec:
-    codec = CODECS.get(name)
-    if codec is None:
-        raise ThreefoldError(f"unknown kv_cache_dtype {name!r}; supported: {sorted(CODECS)}", param="kv_cache_dtype")
-    return codec(num_kv_heads, head_dim, compute_dtype)
+    def layout(self, storage: torch.Tensor) -> KVLayout:
+        return KVLayout("dense", storage[0], storage[1])

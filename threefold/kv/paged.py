@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from threefold.kv.codec import KVCodec
+from threefold.kv.codec import KVCodec, KVLayout
 
 
 class PagedKVCache:
@@ -14,6 +14,7 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.layers = [codec.allocate(num_blocks, block_size, device) for _ in range(num_layers)]
+        self.layouts = [codec.layout(storage) for storage in self.layers]
 
     @staticmethod
     def bytes_per_block(codec: KVCodec, num_layers: int, block_size: int) -> int:
@@ -25,5 +26,5 @@ class PagedKVCache:
     def read(self, layer_idx: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.codec.read(self.layers[layer_idx], block_table)
 
-    def dense_views(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return self.codec.dense_views(self.layers[layer_idx])
+    def layout(self, layer_idx: int) -> KVLayout:
+        return self.layouts[layer_idx]

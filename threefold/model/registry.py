@@ -17,11 +17,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from threefold.config import DEFAULT_MODEL as DEFAULT_MODEL  # re-exported: the one source is config.py
 from threefold.env import Env
 from threefold.errors import ModelNotFoundError, ThreefoldError
 from threefold.model.assemble import assemble_parts
-
-DEFAULT_MODEL = "smollm2-135m"
 
 
 @dataclass(frozen=True)

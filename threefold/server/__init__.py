@@ -7,7 +7,6 @@
     serving_common.py      admission (overload 503), sampling params, SSE, usage
     protocol.py            request bodies        logprobs.py  the two logprobs formats
     metrics.py             Prometheus under vLLM's names      errors.py  OpenAI-shaped errors
-    testing.py             run a server in-process or as a subprocess (tests, benchmarks)
 
 The server reaches the engine only through threefold.engine.async_engine.AsyncEngine.
 """

@@ -136,6 +136,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 def make_state(engine: Any, config: ServerConfig) -> ServerState:
     """Wrap a loaded LLMEngine: metrics, the async engine loop (started), and the shared state."""
     metrics = ServerMetrics(config.model_name)
+    cache_info = getattr(getattr(engine, "core", None), "cache_info", None)
+    if cache_info:
+        metrics.set_cache_config(cache_info)
     async_engine = AsyncEngine(engine, stat_loggers=[metrics]).start()
     return ServerState(config=config, engine=async_engine, tokenizer=engine.tokenizer, metrics=metrics,
                        max_model_len=engine.max_model_len, generation_defaults=dict(engine.generation_defaults),

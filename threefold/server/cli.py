@@ -14,13 +14,18 @@ import signal
 import sys
 import time
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from threefold.cli import add_engine_args, engine_args_from, quiet_openmp
 from threefold.errors import ThreefoldError
 
+if TYPE_CHECKING:  # the app's modules load torch: `threefold serve --help` stays fast without them
+    from threefold.server.serving_common import ServerState
+
 logger = logging.getLogger("threefold.server")
+
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)  # --model, --dtype, --max-model-len, --kv-cache-memory, --max-num-seqs, ...
@@ -48,7 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first SIGTERM/SIGINT drains instead of closing the socket at once."""
 
-    def __init__(self, config: uvicorn.Config, state: object, shutdown_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout_s: float) -> None:
         super().__init__(config)
         self.state = state
         self.shutdown_timeout_s = shutdown_timeout_s

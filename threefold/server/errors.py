@@ -107,5 +107,5 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         # A bug while serving one request must not take the server down: log it, answer 500.
-        logger.exception("request failed")
+        logger.error("request failed", exc_info=exc)
         return error_response(f"Internal error: {exc!r}", 500)

@@ -74,6 +74,17 @@ class ServerMetrics(StatLogger):
         self._tracked: dict[str, _Tracked] = {}
         self._last_cumulative = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
 
+    def set_cache_config(self, info: dict) -> None:
+        """The KV pool's configuration: vLLM's info-style gauge (value 1, the config in its
+        labels, kv_cache_dtype among them) plus threefold: gauges of its size."""
+        labels = {"model_name": self._model_name, **{k: str(v) for k, v in info.items()}}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(labels),
+              registry=self.registry).labels(**labels).set(1)
+        for key, doc in (("bytes_per_token", "KV-cache bytes per token, all layers, everything stored."),
+                         ("capacity_tokens", "Tokens the KV pool holds.")):
+            Gauge(f"threefold:kv_cache_{key}", doc, ["model_name", "kv_cache_dtype"],
+                  registry=self.registry).labels(self._model_name, info["kv_cache_dtype"]).set(info[key])
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -8,10 +8,14 @@ The step's flattened tokens are ordered decodes first, then prefill chunks:
 Every layer first writes the step's K/V into the cache, then attends, so a
 request may read blocks another request fills in this very step (prefix
 hits published at allocation rely on this). Each prefill chunk is one SDPA call
-with a causal mask offset by its already-computed context. Decodes take one of
+with a causal mask offset by its already-computed context; over a compressed
+cache with the native kernel, a chunk with context instead runs as query_len
+decode rows over the cache (row i sees context + i + 1 keys): no dense copy
+of the context is built. Decodes take one of
 two paths that compute the same thing:
 
-    native kernel   threefold.kernels' paged_decode_attention reads K/V rows in
+    native kernel   paged_decode_attention (dense) or kv_decode_attention (int8,
+                    fp8, int4: dequantized row by row in registers) reads K/V in
                     place through the block tables: one group, no copies, no padding
     plain torch     decodes bucketed by context length, one SDPA call per bucket
                     over blocks gathered with index_select and an additive mask
@@ -25,6 +29,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from threefold.kv.native import decode_attention
 from threefold.kv.paged import PagedKVCache
 
 
@@ -90,10 +95,9 @@ class PagedAttention:
     def _decode(self, layer_idx: int, q: torch.Tensor, group: DecodeGroup,
                 mask: torch.Tensor | None, out: torch.Tensor) -> None:
         """Attention for one decode group, written into `out` (a view of the step's output)."""
-        if self.kernels is not None:  # the runner passes kernels only over a dense cache
-            k_cache, v_cache = self.cache.dense_views(layer_idx)
-            self.kernels.paged_decode_attention(out, q, k_cache, v_cache, group.block_table, group.seq_lens,
-                                                self.scale, self.meta.sliding_window or 0)
+        if self.kernels is not None:
+            decode_attention(self.kernels, out, q, self.cache.layout(layer_idx), group.block_table,
+                             group.seq_lens, self.scale, self.meta.sliding_window or 0)
             return
         assert mask is not None, "the torch decode path needs the group's mask"
         keys, values = self.cache.read(layer_idx, group.block_table)  # [B, kvh, L, d] views
@@ -106,11 +110,15 @@ class PagedAttention:
 
     def _prefill(self, layer_idx: int, chunk: PrefillChunk, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
+        if chunk.context_len and self.kernels is not None and self.cache.layout(layer_idx).kind != "dense":
+            return self._prefill_in_place(layer_idx, chunk, q)
         q = q.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, d]
         window = self.meta.sliding_window
         total = chunk.context_len + chunk.query_len
         if chunk.context_len == 0:
-            # Nothing cached before the chunk: attend over its fresh K/V.
+            # Nothing cached before the chunk: attend over its fresh K/V as the cache holds them
+            # (a lossy codec's round trip), the values any later chunk or decode reads back.
+            k, v = self.cache.codec.round_trip(k, v)
             keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         else:
             keys, values = self.cache.read(layer_idx, chunk.block_table)
@@ -122,6 +130,15 @@ class PagedAttention:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
                                              scale=self.scale, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
+
+    def _prefill_in_place(self, layer_idx: int, chunk: PrefillChunk, q: torch.Tensor) -> torch.Tensor:
+        """A chunk over a compressed cache: q_len decode rows sharing the chunk's block table."""
+        out = torch.empty_like(q)
+        tables = chunk.block_table.expand(chunk.query_len, -1).contiguous()  # [q_len, nb] block ids
+        seq_lens = torch.arange(chunk.context_len + 1, chunk.context_len + chunk.query_len + 1, device=q.device)
+        decode_attention(self.kernels, out, q, self.cache.layout(layer_idx), tables, seq_lens, self.scale,
+                         self.meta.sliding_window or 0)
+        return out
 
 
 def _offset_causal_mask(query_len: int, total_len: int, window: int | None,

@@ -13,7 +13,7 @@ import torch
 
 from threefold.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from threefold.kernels import cpu_kernels
-from threefold.kv.codec import make_codec
+from threefold.kv.registry import make_codec
 from threefold.kv.paged import PagedKVCache
 from threefold.model.loader import LoadedModel
 from threefold.sample.sampler import Sampler, SamplingMetadata, compute_logprobs_tensors
@@ -45,8 +45,6 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = PagedKVCache(self.codec, self.config.num_layers, num_blocks, self.block_size, self.device)
-        if self.kv_cache.dense_views(0) is None:  # the kernel attends over dense K/V only
-            self.kernels = None
 
     # ---- per-step state ----------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:

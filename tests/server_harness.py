@@ -1,4 +1,4 @@
-"""Run the server inside this process (a uvicorn thread) or as a subprocess, for tests and benchmarks."""
+"""Run a real threefold server inside the test process (a uvicorn thread) or as a subprocess."""
 
 from __future__ import annotations
 

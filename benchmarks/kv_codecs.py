@@ -1,0 +1,146 @@
+"""KV-cache codecs side by side: memory, quality through the compressed cache, decode attention time.
+
+    flock /tmp/threefold-bench.lock python benchmarks/kv_codecs.py [--codecs auto,int8,...] [--skip-quality]
+    python benchmarks/kv_codecs.py --skip-speed      # memory and quality: no timing, no lock
+
+Memory: bytes per token (everything a block stores, all layers) and tokens in 256 MiB, for
+the model's KV geometry. Quality: ShareGPT test-split conversations concatenated into
+contexts of >= 1024 tokens, scored position by position with prefill chunks of 64 tokens,
+so every chunk after the first reads its context back from the compressed cache; ppl, KL
+against `auto` and top-1 agreement over all positions. Speed: one layer's decode attention
+(native kernel) per token at 1k, 4k and 16k contexts, batch 4, against `auto`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+
+import torch
+
+from threefold.bench.sharegpt import dialogue, open_sharegpt
+from threefold.cpu import cpu_info
+from threefold.engine.llm import LLM
+from threefold.kernels import cpu_kernels
+from threefold.kv.native import decode_attention
+from threefold.kv.registry import make_codec
+
+DEFAULT_CODECS = "auto,int8,fp8,fp8_e5m2,int4"
+
+
+def memory_rows(config, codecs: list[str], dtype: torch.dtype, block_size: int = 16) -> list[dict]:
+    rows = []
+    for spec in codecs:
+        codec = make_codec(spec, config.num_kv_heads, config.head_dim, dtype)
+        per_token = config.num_layers * codec.bytes_per_block(block_size) / block_size
+        rows.append({"codec": str(codec.spec), "bytes_per_token": per_token,
+                     "tokens_in_256MiB": int((256 << 20) // (per_token * block_size)) * block_size})
+    return rows
+
+
+def contexts(tokenizer, num: int, min_tokens: int) -> list[list[int]]:
+    """Test-split ShareGPT conversations, concatenated until each context has min_tokens."""
+    out, current = [], []
+    for record in open_sharegpt().iter_records("test", seed=0):
+        for user, assistant in dialogue(record):
+            current += tokenizer.encode(f"User: {user}\nAssistant: {assistant}\n")
+        if len(current) >= min_tokens:
+            out.append(current[:min_tokens])
+            current = []
+            if len(out) == num:
+                return out
+    return out
+
+
+def quality_rows(loaded, codecs: list[str], seqs: list[list[int]], chunk: int) -> list[dict]:
+    from threefold.engine.llm_engine import EngineArgs, LLMEngine
+
+    def score(spec):
+        args = EngineArgs(dtype="float32", kv_cache_dtype=spec, max_num_batched_tokens=chunk,
+                          kv_cache_memory=256 << 20, max_model_len=len(seqs[0]) + 8)
+        return LLM.from_engine(LLMEngine(loaded, args)).score_distributions(seqs)
+
+    reference = score("auto")
+    rows = []
+    for spec in codecs:
+        cand = reference if spec == "auto" else score(spec)
+        nll = kl = agree = count = 0.0
+        for ids, p, q in zip(seqs, reference, cand):
+            targets = torch.tensor(ids[1:])
+            nll += -q.gather(1, targets[:, None]).sum().item()
+            kl += (p.exp() * (p - q)).sum().item()
+            agree += (p.argmax(-1) == q.argmax(-1)).sum().item()
+            count += len(targets)
+        rows.append({"codec": spec, "ppl": math.exp(nll / count), "kl_vs_auto": kl / count,
+                     "top1_agreement": agree / count, "positions": int(count)})
+    return rows
+
+
+def speed_rows(config, codecs: list[str], dtype: torch.dtype, lengths=(1024, 4096, 16384), batch=4,
+               repeats=20) -> list[dict]:
+    kernels = cpu_kernels()
+    rows = []
+    block_size, heads, kvh, d = 16, config.num_heads, config.num_kv_heads, config.head_dim
+    for length in lengths:
+        blocks_per_seq = length // block_size
+        num_blocks = batch * blocks_per_seq + 1
+        tables = torch.arange(1, num_blocks).view(batch, blocks_per_seq).contiguous()
+        lens = torch.full((batch,), length, dtype=torch.long)
+        q = torch.randn(batch, heads, d).to(dtype)
+        out = torch.empty_like(q)
+        timings = {}
+        for spec in codecs:
+            codec = make_codec(spec, kvh, d, dtype)
+            storage = codec.allocate(num_blocks, block_size, torch.device("cpu"))
+            slots = torch.arange(num_blocks * block_size)
+            codec.write(storage, slots, torch.randn(len(slots), kvh, d), torch.randn(len(slots), kvh, d))
+            layout = codec.layout(storage)
+            call = lambda: decode_attention(kernels, out, q, layout, tables, lens, d ** -0.5, 0)  # noqa: E731
+            call()
+            best = math.inf
+            for _ in range(3):  # best of 3 rounds: the machine is shared
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    call()
+                best = min(best, (time.perf_counter() - start) / repeats)
+            timings[spec] = best
+            del storage, layout
+        for spec in codecs:
+            rows.append({"codec": spec, "context": length, "us_per_token_per_layer": timings[spec] / batch * 1e6,
+                         "vs_auto": timings[spec] / timings["auto"]})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--codecs", default=DEFAULT_CODECS)
+    parser.add_argument("--contexts", type=int, default=2)
+    parser.add_argument("--context-tokens", type=int, default=1088)
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--skip-speed", action="store_true", help="memory and quality only (no timing: no lock)")
+    parser.add_argument("--speed-dtype", default="float32", choices=("float32", "bfloat16"))
+    ns = parser.parse_args()
+    from threefold.model.loader import load_model
+
+    codecs = ns.codecs.split(",")
+    loaded = load_model(ns.model, dtype="float32")
+    result = {"cpu": cpu_info().describe(), "machine": platform.machine(), "model": ns.model,
+              "memory_bf16": memory_rows(loaded.config, codecs, torch.bfloat16),
+              "memory_fp32": memory_rows(loaded.config, codecs, torch.float32)}
+    print(json.dumps(result, indent=1, default=str), flush=True)
+    if not ns.skip_speed:
+        result["speed"] = speed_rows(loaded.config, codecs, getattr(torch, ns.speed_dtype))
+        print(json.dumps(result["speed"], indent=1), flush=True)
+    if not ns.skip_quality:
+        seqs = contexts(loaded.tokenizer, ns.contexts, ns.context_tokens)
+        result["quality"] = quality_rows(loaded, codecs, seqs, ns.chunk)
+        print(json.dumps(result["quality"], indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+// threefold-exports: kv_decode_attention
+//
+// kv_decode_attention -- paged decode attention over a compressed KV cache (int8, fp8, int4),
+// read in place: each K/V row is dequantized into a head_dim-sized fp32 buffer (L1, registers)
+// right before it is used, so no dequantized copy of any context is ever built.
+//
+//   out[b, h] = softmax_t(scale * q[b, h] . K^[slot(b, t), h / G]) @ V^[slot(b, t), h / G]
+//   K^ = dequant(codes, scales, zeros) per row;  t in [max(0, seq_len[b] - window), seq_len[b])
+//
+// Layout per layer (all contiguous):
+//   codes  [num_blocks, block_size, kv_heads, width]    int8 | fp8 bits | int4: byte i = q[i] | q[i + d/2] << 4
+//   scales [num_blocks, block_size, kv_heads, groups]   fp32   (int8/fp8: groups = 1)
+//   zeros  [num_blocks, block_size, kv_heads, groups]   fp32   (int4 only)
+//
+// Work item = (sequence, kv head), as in cpu_kernels.cpp's dense kernel: pass 1 scores, an
+// fp32 softmax, pass 2 the weighted sum of V. A prefill chunk reading its context runs through
+// the same kernel as q_len rows sharing one block table (row i sees context + i + 1 keys).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+enum Kind : int64_t { kInt8 = 0, kFp8 = 1, kInt4 = 2 };
+
+template <typename T>
+inline float load(T x) { return static_cast<float>(x); }
+
+template <>
+inline float load<at::BFloat16>(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// One cache side (K or V): the row at (block, offset, head) decoded into `dst` [d] fp32.
+struct Side {
+  const uint8_t* codes;
+  const float* scales;
+  const float* zeros;
+  int64_t width, groups;  // bytes per row, scale groups per row
+
+  template <int K, int D>
+  inline void row(int64_t index, const float* lut, int64_t d, float* __restrict dst) const {
+    const int64_t n = D > 0 ? D : d;
+    const uint8_t* c = codes + index * width;
+    const float* s = scales + index * groups;
+    if constexpr (K == kInt8) {
+      const float sc = s[0];
+      const int8_t* ci = reinterpret_cast<const int8_t*>(c);
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(ci[i]) * sc;
+    } else if constexpr (K == kFp8) {
+      const float sc = s[0];
+      for (int64_t i = 0; i < n; ++i) dst[i] = lut[c[i]] * sc;
+    } else {
+      // Packed by halves: two contiguous passes (vectorized), then scale and zero per group.
+      const float* z = zeros + index * groups;
+      const int64_t half = n / 2, group = n / groups;
+      for (int64_t i = 0; i < half; ++i) dst[i] = static_cast<float>(c[i] & 15);
+      for (int64_t i = 0; i < half; ++i) dst[half + i] = static_cast<float>(c[i] >> 4);
+      for (int64_t g = 0; g < groups; ++g) {
+        const float sc = s[g], zz = z[g];
+        float* dg = dst + g * group;
+        for (int64_t j = 0; j < group; ++j) dg[j] = dg[j] * sc + zz;
+      }
+    }
+  }
+};
+
+Side side(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros) {
+  return Side{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
+              zeros.numel() ? zeros.data_ptr<float>() : nullptr, codes.size(3), scales.size(3)};
+}
+
+template <int D>
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
+  const int64_t n = D > 0 ? D : d;
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+template <int D>
+inline void axpy(float a, const float* __restrict x, float* __restrict acc, int64_t d) {
+  const int64_t n = D > 0 ? D : d;
+  for (int64_t i = 0; i < n; ++i) acc[i] += a * x[i];
+}
+
+struct Shape {
+  int64_t num_seqs, num_heads, head_dim, block_size, num_kv_heads, group, table_width;
+};
+
+template <int K, int D, typename T>
+void run(const at::Tensor& out, const at::Tensor& q, const Side& ks, const Side& vs, const float* lut,
+         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+         const Shape& a) {
+  const T* q_ptr = q.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+  const int64_t q_seq = q.stride(0), q_head = q.stride(1), o_seq = out.stride(0), o_head = out.stride(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t num_items = a.num_seqs * a.num_kv_heads;
+
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(a.group * a.head_dim), acc(a.group * a.head_dim), row(a.head_dim), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / a.num_kv_heads, kvh = item % a.num_kv_heads;
+      const int64_t len = lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      const int64_t* table = tables + b * a.table_width;
+      for (int64_t g = 0; g < a.group; ++g) {
+        const T* src = q_ptr + b * q_seq + (kvh * a.group + g) * q_head;
+        for (int64_t i = 0; i < a.head_dim; ++i) qf[g * a.head_dim + i] = load(src[i]) * fscale;
+      }
+      // body(t, row index) for keys t = 0..n-1 (positions first..len-1), one table walk.
+      auto for_each_row = [&](auto&& body) {
+        for (int64_t pos = first; pos < len;) {
+          const int64_t blk = pos / a.block_size;
+          const int64_t end_in_block = std::min(a.block_size, len - blk * a.block_size);
+          const int64_t base = (table[blk] * a.block_size) * a.num_kv_heads + kvh;
+          for (int64_t off = pos - blk * a.block_size; off < end_in_block; ++off, ++pos) {
+            body(pos - first, base + off * a.num_kv_heads);
+          }
+        }
+      };
+      scores.assign(a.group * n, 0.f);
+      for_each_row([&](int64_t t, int64_t index) {
+        ks.row<K, D>(index, lut, a.head_dim, row.data());
+        for (int64_t g = 0; g < a.group; ++g) scores[g * n + t] = dot<D>(qf.data() + g * a.head_dim, row.data(), a.head_dim);
+      });
+      std::vector<float> inv_sum(a.group);
+      for (int64_t g = 0; g < a.group; ++g) {
+        float* s = scores.data() + g * n;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - mx);
+        for (int64_t t = 0; t < n; ++t) sum += s[t];
+        inv_sum[g] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for_each_row([&](int64_t t, int64_t index) {
+        vs.row<K, D>(index, lut, a.head_dim, row.data());
+        for (int64_t g = 0; g < a.group; ++g) axpy<D>(scores[g * n + t], row.data(), acc.data() + g * a.head_dim, a.head_dim);
+      });
+      for (int64_t g = 0; g < a.group; ++g) {
+        T* dst = out_ptr + b * o_seq + (kvh * a.group + g) * o_head;
+        for (int64_t i = 0; i < a.head_dim; ++i) dst[i] = static_cast<T>(acc[g * a.head_dim + i] * inv_sum[g]);
+      }
+    }
+  });
+}
+
+template <int K, typename T>
+void dispatch_dim(const at::Tensor& out, const at::Tensor& q, const Side& ks, const Side& vs, const float* lut,
+                  const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window, const Shape& a) {
+  switch (a.head_dim) {
+    case 64: return run<K, 64, T>(out, q, ks, vs, lut, tables, lens, scale, window, a);
+    case 128: return run<K, 128, T>(out, q, ks, vs, lut, tables, lens, scale, window, a);
+    default: return run<K, 0, T>(out, q, ks, vs, lut, tables, lens, scale, window, a);
+  }
+}
+
+template <typename T>
+void dispatch_kind(int64_t kind, const at::Tensor& out, const at::Tensor& q, const Side& ks, const Side& vs,
+                   const float* lut, const at::Tensor& tables, const at::Tensor& lens, double scale,
+                   int64_t window, const Shape& a) {
+  if (kind == kInt8) return dispatch_dim<kInt8, T>(out, q, ks, vs, lut, tables, lens, scale, window, a);
+  if (kind == kFp8) return dispatch_dim<kFp8, T>(out, q, ks, vs, lut, tables, lens, scale, window, a);
+  return dispatch_dim<kInt4, T>(out, q, ks, vs, lut, tables, lens, scale, window, a);
+}
+
+}  // namespace
+
+// out, q: [B, H, d] (float32 or bfloat16, head_dim contiguous); codes/scales/zeros as above
+// (zeros: empty unless int4; lut: 256 fp32 for fp8, else empty); block_tables [B, width] int64;
+// seq_lens [B] int64 >= 1; window <= 0: no sliding window; kind: 0 int8, 1 fp8, 2 int4.
+void kv_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at::Tensor v_codes, at::Tensor k_scales, at::Tensor v_scales, at::Tensor k_zeros, at::Tensor v_zeros, at::Tensor lut, at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window, int64_t kind) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.stride(2) == 1 && out.stride(2) == 1,
+              "q and out must be [B, H, d] of one shape, head_dim contiguous");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "q and out must share a dtype, float32 or bfloat16");
+  TORCH_CHECK(kind == kInt8 || kind == kFp8 || kind == kInt4, "kind must be 0 (int8), 1 (fp8) or 2 (int4)");
+  TORCH_CHECK(k_codes.dim() == 4 && k_codes.sizes() == v_codes.sizes() && k_codes.is_contiguous() &&
+                  v_codes.is_contiguous() && k_codes.element_size() == 1,
+              "codes must be contiguous one-byte [N, bs, kvh, width]");
+  TORCH_CHECK(k_scales.dim() == 4 && k_scales.sizes() == v_scales.sizes() && k_scales.is_contiguous() &&
+                  v_scales.is_contiguous() && k_scales.scalar_type() == at::kFloat,
+              "scales must be contiguous float32 [N, bs, kvh, groups]");
+  TORCH_CHECK(kind != kInt4 || (k_zeros.sizes() == k_scales.sizes() && v_zeros.sizes() == k_scales.sizes() &&
+                                k_zeros.is_contiguous() && v_zeros.is_contiguous()),
+              "int4 needs zeros shaped like scales");
+  TORCH_CHECK(kind != kFp8 || (lut.numel() == 256 && lut.scalar_type() == at::kFloat), "fp8 needs a 256-entry lut");
+  const int64_t d = q.size(2);
+  const int64_t width = kind == kInt4 ? d / 2 : d;
+  TORCH_CHECK(k_codes.size(3) == width && d % k_scales.size(3) == 0, "codes/scales do not match head_dim");
+  TORCH_CHECK(q.size(1) % k_codes.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  block_tables.is_contiguous() && seq_lens.is_contiguous() && block_tables.size(0) == q.size(0),
+              "block_tables [B, width] and seq_lens [B] must be contiguous int64");
+  const Shape a{q.size(0), q.size(1), d, k_codes.size(1), k_codes.size(2), q.size(1) / k_codes.size(2),
+                block_tables.size(1)};
+  const Side ks = side(k_codes, k_scales, k_zeros), vs = side(v_codes, v_scales, v_zeros);
+  const float* table = kind == kFp8 ? lut.data_ptr<float>() : nullptr;
+  if (q.scalar_type() == at::kBFloat16)
+    return dispatch_kind<at::BFloat16>(kind, out, q, ks, vs, table, block_tables, seq_lens, scale, window, a);
+  dispatch_kind<float>(kind, out, q, ks, vs, table, block_tables, seq_lens, scale, window, a);
+}

@@ -1,0 +1,102 @@
+"""KV-cache codec specs: `name` or `name:key=value,key=value` (vLLM's `kv_cache_dtype`).
+
+    int4:group=32          ->  KVSpec("int4", (("group", 32),))
+    fp8                    ->  KVSpec("fp8_e4m3", ())          (an alias)
+
+Plain Python (CacheConfig validates specs, and config must not import torch):
+each codec's parameters, defaults and allowed values live here, next to its
+name, and the codec class reads the resolved values from `KVSpec.params`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from threefold.errors import ThreefoldError
+
+
+@dataclass(frozen=True)
+class Param:
+    """One integer parameter of a codec, with its allowed values."""
+
+    default: int
+    choices: tuple[int, ...]
+    help: str
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """A resolved codec spec: canonical name plus every parameter (defaults filled in)."""
+
+    name: str
+    params: tuple[tuple[str, int], ...] = ()
+
+    def __getitem__(self, key: str) -> int:
+        return dict(self.params)[key]
+
+    def __str__(self) -> str:
+        """Canonical text: goes into logs, metrics and the prefix-hash seed."""
+        if not self.params:
+            return self.name
+        return self.name + ":" + ",".join(f"{k}={v}" for k, v in self.params)
+
+
+_GROUPS = (8, 16, 32, 64, 128)
+
+SCHEMAS: dict[str, dict[str, Param]] = {
+    "auto": {},
+    "int8": {},
+    "fp8_e4m3": {},
+    "fp8_e5m2": {},
+    "int4": {"group": Param(32, _GROUPS, "head_dim channels sharing one scale and zero point")},
+}
+"""Every codec's parameters. A new codec adds one line here and one class in kv/codecs."""
+
+ALIASES = {"fp8": "fp8_e4m3"}
+
+
+def choices_text() -> str:
+    names = sorted([*SCHEMAS, *ALIASES])
+    return ", ".join(names)
+
+
+def parse_kv_spec(text: str) -> KVSpec:
+    """Parse and validate a spec; every error lists what is allowed."""
+    if not isinstance(text, str) or not text.strip():
+        raise ThreefoldError(f"kv_cache_dtype must be a non-empty string; choices: {choices_text()}.",
+                             param="kv_cache_dtype")
+    name, _, rest = text.strip().partition(":")
+    name = ALIASES.get(name.strip().lower(), name.strip().lower())
+    schema = SCHEMAS.get(name)
+    if schema is None:
+        raise ThreefoldError(f"unknown kv_cache_dtype {text!r}; choices: {choices_text()}.", param="kv_cache_dtype")
+    given = _parse_params(text, rest, schema)
+    params = tuple((key, given.get(key, p.default)) for key, p in schema.items())
+    return KVSpec(name, params)
+
+
+def _parse_params(text: str, rest: str, schema: dict[str, Param]) -> dict[str, int]:
+    given: dict[str, int] = {}
+    if not rest.strip():
+        return given
+    allowed = ", ".join(f"{k} in {list(p.choices)} ({p.help})" for k, p in schema.items()) or "none"
+    for item in rest.split(","):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or not key or not value:
+            raise ThreefoldError(f"malformed kv_cache_dtype {text!r}: expected name:key=value,...; "
+                                 f"parameters: {allowed}.", param="kv_cache_dtype")
+        if key not in schema:
+            raise ThreefoldError(f"kv_cache_dtype {text!r}: unknown parameter {key!r}; parameters: {allowed}.",
+                                 param="kv_cache_dtype")
+        if key in given:
+            raise ThreefoldError(f"kv_cache_dtype {text!r}: {key} given twice.", param="kv_cache_dtype")
+        try:
+            number = int(value)
+        except ValueError:
+            raise ThreefoldError(f"kv_cache_dtype {text!r}: {key}={value!r} is not an integer; "
+                                 f"{key} in {list(schema[key].choices)}.", param="kv_cache_dtype") from None
+        if number not in schema[key].choices:
+            raise ThreefoldError(f"kv_cache_dtype {text!r}: {key}={number} is out of range; "
+                                 f"{key} in {list(schema[key].choices)}.", param="kv_cache_dtype")
+        given[key] = number
+    return given
