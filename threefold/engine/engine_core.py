@@ -13,6 +13,7 @@ from threefold.core.request import Request, RequestStatus
 from threefold.core.scheduler import Scheduler, SchedulerStats
 from threefold.errors import ThreefoldError
 from threefold.model.loader import LoadedModel
+from threefold.spec.config import SpeculativeConfig
 from threefold.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -28,8 +29,9 @@ def default_kv_cache_memory() -> int:
 
 class EngineCore:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig,
-                 max_model_len: int, device: str = "cpu") -> None:
-        self.runner = ModelRunner(loaded, cache.block_size, device=device)
+                 max_model_len: int, device: str = "cpu", speculative: SpeculativeConfig | None = None) -> None:
+        self.runner = ModelRunner(loaded, cache.block_size, device=device, speculative_config=speculative,
+                                  max_model_len=max_model_len)
         budget = cache.kv_cache_memory or default_kv_cache_memory()
         num_blocks = budget // self.runner.bytes_per_block() + 1  # +1: the null block
         min_blocks = -(-max_model_len // cache.block_size) + 1
@@ -40,7 +42,8 @@ class EngineCore:
                 f"or lower max_model_len.", param="kv_cache_memory")
         self.runner.initialize_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, cache.block_size, loaded.fingerprint, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(sched, self.kv, max_model_len)
+        lookahead = 0 if speculative is None else speculative.num_lookahead_tokens
+        self.scheduler = Scheduler(sched, self.kv, max_model_len, num_lookahead_tokens=lookahead)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB)", num_blocks - 1,
                     cache.block_size, self.kv.capacity_tokens, budget / 2**20)
 
@@ -68,7 +71,10 @@ class EngineCore:
             logger.exception("model step failed")
             out = ModelRunnerOutput({}, failed={rid: f"{type(exc).__name__}: {exc}"
                                                 for rid in sched.num_scheduled_tokens})
-        return self.scheduler.update_from_output(sched, out)
+        outputs = self.scheduler.update_from_output(sched, out)
+        if out.draft_token_ids:
+            self.scheduler.update_draft_token_ids(out.draft_token_ids)
+        return outputs
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
