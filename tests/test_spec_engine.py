@@ -56,3 +56,81 @@ def test_request_can_opt_out(make_llm, reference):
     outputs = llm.generate(REPEATING[:1], GREEDY.clone(speculative=False))
     assert token_ids(outputs) == reference[:1]
     assert llm.engine.get_stats().spec_num_drafts == 0
+
+
+def write_random_heads(method, loaded, path):
+    import torch
+
+    from threefold.spec.heads import EagleHead, HeadsConfig, MedusaHeads, save_heads
+
+    torch.manual_seed(0)
+    arch = loaded.config
+    heads = MedusaHeads(arch.hidden_size, 4) if method == "medusa" else EagleHead(arch)
+    save_heads(path, HeadsConfig(method, arch.hidden_size, arch.vocab_size, loaded.name, 4), heads)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "medusa", "eagle"])
+def test_every_method_greedy_is_identical(make_llm, smollm2_fp32, reference, method, tmp_path):
+    config = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        config["model"] = "smollm2-135m"  # the target drafting for itself: every draft is accepted
+    else:
+        write_random_heads(method, smollm2_fp32, tmp_path)
+        config["model"] = str(tmp_path)
+    llm = make_llm(speculative_config=config, max_num_batched_tokens=64)  # adaptive, chunked prefill
+    outputs = llm.generate(REPEATING + PROMPTS[:6], GREEDY)
+    assert token_ids(outputs) == reference
+    stats = llm.engine.get_stats()
+    assert stats.kv_cache_usage == 0.0
+    if method == "draft_model":
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+
+
+def chi_square_two_sample(a: list[int], b: list[int], min_count: int = 10) -> tuple[float, int]:
+    """Pearson's two-sample statistic over tokens, rare tokens pooled into one bin."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    common = [t for t in set(ca) | set(cb) if ca[t] + cb[t] >= min_count]
+    bins = [(ca[t], cb[t]) for t in common]
+    bins.append((len(a) - sum(x for x, _ in bins), len(b) - sum(y for _, y in bins)))
+    bins = [(x, y) for x, y in bins if x + y > 0]
+    return sum((x - y) ** 2 / (x + y) for x, y in bins), len(bins) - 1
+
+
+CHI2_999 = [0, 10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26, 32.91, 34.53, 36.12,
+            37.70, 39.25, 40.79, 42.31, 43.82, 45.31]
+"""Chi-square critical values at p = 0.001 by degrees of freedom."""
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_k=8, max_tokens=4, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_p=0.9, min_p=0.02, repetition_penalty=1.05, max_tokens=4, ignore_eos=True),
+])
+def test_sampling_distribution_is_unchanged(make_llm, params):
+    prompt = "one two three four, one two three four, one two three four, one two"
+    n = 300
+    batches = {}
+    for name, spec in (("off", None), ("on", NGRAM)):
+        llm = make_llm(speculative_config=spec, enable_prefix_caching=True)
+        outs = llm.generate([prompt] * n, [params.clone(seed=1000 * (name == "on") + i) for i in range(n)])
+        batches[name] = token_ids(outs)
+        if spec is not None:
+            assert llm.engine.get_stats().spec_num_accepted_tokens > 0
+    for position in (1, 2, 3):  # position 0 comes from the prefill, speculation or not
+        stat, df = chi_square_two_sample([t[position] for t in batches["on"]], [t[position] for t in batches["off"]])
+        assert stat < CHI2_999[min(df, 20)], (position, stat, df)
+
+
+def test_logprobs_n_and_stop_strings(make_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=20, logprobs=2, n=2, stop=["four, one two three"])
+    plain = make_llm().generate(REPEATING[:1], params)[0]
+    spec = make_llm(speculative_config=NGRAM).generate(REPEATING[:1], params)[0]
+    for a, b in zip(plain.outputs, spec.outputs):
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (b.token_ids, b.text, b.finish_reason,
+                                                                       b.stop_reason)
+        assert [sorted(p) for p in a.logprobs] == [sorted(p) for p in b.logprobs]
+        for pa, pb in zip(a.logprobs, b.logprobs):
+            for token in pa:
+                assert pa[token].logprob == pytest.approx(pb[token].logprob, abs=1e-4)
+    assert spec.num_accepted_tokens > 0
