@@ -134,3 +134,26 @@ def test_logprobs_n_and_stop_strings(make_llm):
             for token in pa:
                 assert pa[token].logprob == pytest.approx(pb[token].logprob, abs=1e-4)
     assert spec.num_accepted_tokens > 0
+
+
+def test_server_metrics_and_streaming(smollm2_fp32):
+    import openai
+
+    from server_helpers import metrics
+    from threefold.engine.llm_engine import EngineArgs, LLMEngine
+    from threefold.server.testing import ServerThread
+
+    engine = LLMEngine(smollm2_fp32, EngineArgs(dtype="float32", kv_cache_memory=64 << 20, max_model_len=512,
+                                                speculative_config=NGRAM))
+    with ServerThread(engine) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        chunks = client.completions.create(model=engine.model_name, prompt=REPEATING[0], max_tokens=20,
+                                           temperature=0.0, stream=True)
+        streamed = "".join(c.choices[0].text for c in chunks)
+        whole = client.completions.create(model=engine.model_name, prompt=REPEATING[0], max_tokens=20,
+                                          temperature=0.0).choices[0].text
+        m = metrics(server.url)
+    assert streamed == whole
+    assert m["vllm:spec_decode_num_drafts_total"] > 0
+    assert 0 < m["vllm:spec_decode_num_accepted_tokens_total"] <= m["vllm:spec_decode_num_draft_tokens_total"]
+    assert m["vllm:spec_decode_num_accepted_tokens_per_pos_total{position=0}"] > 0

@@ -23,7 +23,7 @@ from threefold.spec.config import SpeculativeConfig
 from threefold.spec.proposer import DraftRequest, Proposer
 from threefold.spec.verify import VerifyResult, verify_chains
 
-PROFILE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PROFILE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 """Token counts whose forward time seeds the cost model (then refined online)."""
 
 
