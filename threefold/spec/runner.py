@@ -15,7 +15,6 @@ and reserves their slots in the same allocation as ordinary tokens.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 
 import torch
@@ -128,7 +127,3 @@ def _dense_forward(model, num_tokens: int) -> None:
     """One forward of num_tokens (no KV cache): the linear layers dominate a verify step's cost."""
     model.compute_logits(model(torch.zeros(num_tokens, dtype=torch.long, device=model.embed_tokens.weight.device),
                                torch.arange(num_tokens, device=model.embed_tokens.weight.device), causal_attention))
-
-
-def timed() -> float:
-    return time.perf_counter()

@@ -17,9 +17,9 @@ from threefold.kernels import cpu_kernels
 from threefold.kv.codec import make_codec
 from threefold.kv.paged import PagedKVCache
 from threefold.model.loader import LoadedModel
+from threefold.sample.sampler import Sampler, SamplingMetadata, compute_logprobs_tensors
 from threefold.spec.config import SpeculativeConfig
 from threefold.spec.runner import SpecRunner
-from threefold.sample.sampler import Sampler, SamplingMetadata, compute_logprobs_tensors
 from threefold.worker.attention import PagedAttention
 from threefold.worker.batch import CachedRequestState, StepBatch, build_batch
 
