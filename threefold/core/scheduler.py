@@ -265,4 +265,5 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(),
                               self.kv.stats.queries, self.kv.stats.hits, self.num_preemptions,
-                              *self.spec_counts, list(self.spec_accepted_per_pos) or None)
+                              self.spec_counts[0], self.spec_counts[1], self.spec_counts[2],
+                              list(self.spec_accepted_per_pos) or None)
