@@ -115,3 +115,12 @@ def test_eagle_tree(smollm2_fp32, context, tmp_path):
         node = children[0]
         walked.append(draft.token_ids[node])
     assert walked == path.token_ids[: len(walked)]
+
+
+def test_heads_found_by_name_under_threefold_home(smollm2_fp32, tmp_path, monkeypatch):
+    random_heads("medusa", smollm2_fp32, tmp_path / "heads" / "my-heads")
+    monkeypatch.setenv("THREEFOLD_HOME", str(tmp_path))
+    proposer = make_proposer(SpeculativeConfig("medusa", 2, model="my-heads"), smollm2_fp32)
+    assert proposer.heads.num_heads == 3
+    with pytest.raises(ThreefoldError, match="holds no draft heads"):
+        make_proposer(SpeculativeConfig("medusa", 2, model="other-heads"), smollm2_fp32)

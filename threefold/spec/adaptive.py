@@ -178,6 +178,11 @@ class AdaptiveController:
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         self.cost.observe(num_tokens, seconds)
 
+    def observe_draft_cost(self, num_drafted: int, seconds: float, ema_weight: float = 0.1) -> None:
+        """Fold a measured proposer call into the seconds each drafted token costs."""
+        if num_drafted > 0:
+            self.draft_seconds_per_token += ema_weight * (seconds / num_drafted - self.draft_seconds_per_token)
+
     def remove(self, request_id: str) -> None:
         self.acceptance.remove(request_id)
         self.idle_steps.pop(request_id, None)

@@ -23,7 +23,7 @@ from threefold.spec.config import SpeculativeConfig
 from threefold.spec.proposer import DraftRequest, Proposer
 from threefold.spec.verify import VerifyResult, verify_chains
 
-PROFILE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PROFILE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 """Token counts whose forward time seeds the cost model (then refined online)."""
 
 
@@ -113,8 +113,13 @@ class SpecDecoder:
         eligible = [c for c in candidates if c.max_drafts > 0 and speculation_allowed(c.params)]
         ks = self._choose(eligible, base_tokens, base_emitted)
         asked = [(c, k) for c, k in zip(eligible, ks) if k > 0]
+        if not asked:
+            return {}
+        start = time.perf_counter()
         drafts = self.proposer.propose([DraftRequest(c.request_id, c.token_ids, k, c.hidden_states, c.hidden_start)
                                         for c, k in asked])
+        if self.controller is not None:  # the proposer's own cost per drafted token, measured
+            self.controller.observe_draft_cost(sum(k for _, k in asked), time.perf_counter() - start)
         return {c.request_id: d.token_ids[:k] for (c, k), d in zip(asked, drafts) if d.token_ids}
 
     def _choose(self, eligible: list[Candidate], base_tokens: int, base_emitted: int) -> list[int]:

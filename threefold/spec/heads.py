@@ -131,10 +131,21 @@ def save_heads(path: Path, config: HeadsConfig, heads: nn.Module) -> None:
     (path / CONFIG_FILE).write_text(json.dumps(asdict(config), indent=2) + "\n")
 
 
+def resolve_heads(name_or_path: str | Path) -> Path:
+    """A heads directory, or a name under $THREEFOLD_HOME/heads (where `make heads` puts them)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    from threefold.env import Env
+
+    named = Env.read().home / "heads" / str(name_or_path)
+    return named if named.is_dir() else path
+
+
 def load_heads(path: str | Path, arch: ModelArchConfig, target_name: str | None = None,
                method: str | None = None) -> tuple[HeadsConfig, nn.Module]:
     """Load heads for a target of shape `arch`; a mismatch is a clear ThreefoldError."""
-    path = Path(path)
+    path = resolve_heads(path)
     param = "speculative_config.model"
     if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
         raise ThreefoldError(f"{path} holds no draft heads ({CONFIG_FILE} + {WEIGHTS_FILE}); train them with "
