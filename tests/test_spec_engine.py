@@ -141,7 +141,7 @@ def test_server_metrics_and_streaming(smollm2_fp32):
 
     from server_helpers import metrics
     from threefold.engine.llm_engine import EngineArgs, LLMEngine
-    from threefold.server.testing import ServerThread
+    from server_harness import ServerThread
 
     engine = LLMEngine(smollm2_fp32, EngineArgs(dtype="float32", kv_cache_memory=64 << 20, max_model_len=512,
                                                 speculative_config=NGRAM))
