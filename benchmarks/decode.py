@@ -21,7 +21,9 @@ the shared machine hits every engine alike. Reported per configuration:
 
 Configurations (--engines, comma-separated):
 
-    threefold:bf16 | threefold:fp32        LLM(gguf, dtype=...).generate, prefix caching off
+    threefold:bf16 | threefold:fp32        LLM(gguf, dtype=...).generate, prefix caching off;
+    threefold:auto | threefold:bf16w       also dtype="auto" (the per-CPU choice) and
+                                           "bf16-weights" (bf16 weights, fp32 compute)
     transformers:bf16 | transformers:fp32  AutoModelForCausalLM (the GGUF converted to an HF
                                            dir by `threefold bench peers convert`) .generate
     llamacpp:t2 | llamacpp:t1              llama_cpp.Llama(gguf, n_ctx=2048, n_threads=2|1):
@@ -60,6 +62,7 @@ WARMUP_PROMPT = "Write a short poem about the sea and the wind, in the style of 
 DEFAULT_ENGINES = ("threefold:bf16,transformers:bf16,threefold:fp32,transformers:fp32,"
                    "llamacpp:t2,llamacpp:t1,vllm:bf16")
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+THREEFOLD_DTYPES = {**DTYPES, "auto": "auto", "bf16w": "bf16-weights"}  # the engine's own choices too
 
 
 # --------------------------------------------------------------------------- worker side
@@ -185,6 +188,8 @@ def worker_main(spec_path: str) -> None:
         import torch
 
         info = {"torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    if spec["engine"] == "threefold":  # what dtype="auto" resolved to on this CPU
+        info["precision"] = engine.llm.engine.loaded.precision.name
     self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print("RESULT " + json.dumps({
         "load_s": load_s, "full_s": full, "first_s": first, "tokens": tokens,
@@ -218,9 +223,10 @@ def parse_config(text: str) -> dict:
         cfg["threads"] = int(opt.lstrip("t") or 2)
         cfg["dtype"] = "Q4_1"
     else:
-        if opt not in DTYPES:
-            raise SystemExit(f"{text!r}: dtype must be bf16 or fp32")
-        cfg["dtype"] = DTYPES[opt]
+        choices = THREEFOLD_DTYPES if name == "threefold" else DTYPES
+        if opt not in choices:
+            raise SystemExit(f"{text!r}: dtype must be one of {', '.join(choices)}")
+        cfg["dtype"] = choices[opt]
     return cfg
 
 
@@ -291,7 +297,7 @@ def summarize(configs: list[dict], runs: dict[str, list[dict]], n: int) -> list[
         first = statistics.median(t for r in ok for t in r["first_s"])
         tps = [n / t for t in full]
         t_full = statistics.median(full)
-        rows.append({"label": cfg["label"], "engine": cfg["engine"], "dtype": cfg["dtype"],
+        rows.append({"label": cfg["label"], "engine": cfg["engine"], "dtype": ok[0].get("precision", cfg["dtype"]),
                      "threads": cfg.get("threads"), "omp_wait_policy": ok[0]["omp_wait_policy"],
                      "samples": len(full), "tok_s": statistics.median(tps), "tok_s_min": min(tps),
                      "tok_s_max": max(tps), "ms_per_token": t_full / n * 1e3, "ttft_ms": first * 1e3,

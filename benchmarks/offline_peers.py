@@ -3,6 +3,9 @@
     .venv/bin/python benchmarks/offline_peers.py --model smollm2-135m --num-prompts 32 \
         --engines threefold,vllm,transformers --rounds 2 --out-dir results/offline
 
+An engine may name its own dtype, `engine:dtype` (e.g. threefold:auto,threefold:bf16-weights,
+transformers:float32); the others take --dtype.
+
 Each engine generates exactly each request's max_tokens (EOS ignored) for the
 same token ids; one JSON line per run is printed and saved as
 DIR/offline_<engine>_round<k>.json, then `bench report` writes DIR/report.md.
@@ -33,12 +36,14 @@ def main() -> None:
     requests = token_workload(args)  # one workload for every engine and round
     out, paths = Path(args.out_dir), []
     out.mkdir(parents=True, exist_ok=True)
+    base_dtype = args.dtype
     for rnd in range(args.rounds):
-        for engine in args.engines.split(","):
-            args.engine, args.label = engine, engine
+        for spec in args.engines.split(","):  # engine or engine:dtype, e.g. threefold:auto
+            engine, _, dtype = spec.partition(":")
+            args.engine, args.dtype, args.label = engine, dtype or base_dtype, spec
             doc = run_offline(args, requests)
             print(json.dumps({k: v for k, v in doc.items() if k != "config"}), flush=True)
-            path = out / f"offline_{engine}_round{rnd}.json"
+            path = out / f"offline_{spec.replace(':', '-')}_round{rnd}.json"
             path.write_text(json.dumps(doc, indent=1, default=str))
             paths.append(path)
     print(f"report: {write_report(paths, out)}")

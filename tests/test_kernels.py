@@ -1,5 +1,9 @@
 """threefold.kernels (native CPU passes) against plain-torch references, and the
-engine with them on against the engine with them off."""
+engine with them on against the engine with them off.
+
+The kernel checks run against every build this CPU can execute (native, x86-64-v3,
+x86-64-v2: `available_targets()`), so each vector path is tested wherever the machine
+has it, whichever one -march=native picks. The first build of each takes about a minute."""
 
 from __future__ import annotations
 
@@ -11,19 +15,42 @@ import torch.nn.functional as F
 
 from tests.prompts import PROMPTS
 from threefold.env import Env
-from threefold.kernels import cpu_kernels, has_few_row_linear
+from threefold.kernels import available_targets, build_kernels, cpu_kernels, has_few_row_linear
 from threefold.model.llama import Linear, apply_rope
 from threefold.sample.params import SamplingParams
 from threefold.sample.sampler import Sampler, SamplingMetadata
 
 
 @pytest.fixture(scope="module")
-def kernels():
+def native_kernels():
+    """The engine's build."""
     if sys.platform != "linux" or Env.read().attention_backend == "torch":
         pytest.skip("native kernels are built on Linux unless THREEFOLD_ATTENTION=torch")
     module = cpu_kernels()
     assert module is not None, "the native CPU kernels failed to build (see the log warning)"
     return module
+
+
+@pytest.fixture(scope="module", params=available_targets() or ["native"])
+def kernels(request):
+    """Each build this CPU can run."""
+    if sys.platform != "linux":
+        pytest.skip("native kernels are built on Linux")
+    return build_kernels(request.param)
+
+
+def test_portable_builds_hold_their_vector_paths():
+    targets = available_targets()
+    if sys.platform != "linux":
+        assert targets == []
+        return
+    assert targets[0] == "native"
+    if "x86-64-v3" in targets:
+        assert build_kernels("x86-64-v3").build_isa() == "avx2"
+    if "x86-64-v2" in targets:
+        assert build_kernels("x86-64-v2").build_isa() == "generic"
+    with pytest.raises(ValueError, match="x86-64-v3"):
+        build_kernels("x86-64-v9")
 
 
 def _tolerance(dtype: torch.dtype) -> dict:
@@ -50,17 +77,7 @@ def _reference_decode(q, k_cache, v_cache, tables, lens, scale, window):
     return out
 
 
-@pytest.fixture(params=["amx", "vector"])
-def attention_path(request, kernels):
-    """bf16 decode attention runs on AMX tiles where the CPU has them, else on AVX vectors."""
-    if kernels.set_amx(request.param == "amx") != (request.param == "amx"):
-        pytest.skip("this CPU (or OS) gives no AMX tiles")
-    yield request.param
-    kernels.set_amx(True)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "window"), [
+_ATTENTION_SHAPES = pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "window"), [
     (9, 3, 64, 16, 0),     # SmolLM2's shape
     (14, 2, 64, 16, 0),    # Qwen2.5-0.5B's grouping
     (4, 4, 128, 4, 0),     # no GQA, the other specialized head_dim, small blocks
@@ -69,10 +86,9 @@ def attention_path(request, kernels):
     (16, 1, 128, 32, 0),   # the largest group one AMX tile holds; blocks of two tiles
     (17, 1, 64, 16, 0),    # a larger group: the vector path even where AMX is on
 ])
-def test_paged_decode_attention_matches_reference(kernels, attention_path, dtype, heads, kv_heads, head_dim,
-                                                  block_size, window):
-    if dtype == torch.float32 and attention_path == "amx":
-        pytest.skip("AMX tiles take bf16 only; float32 always runs on vectors")
+
+
+def _check_decode_attention(kernels, dtype, heads, kv_heads, head_dim, block_size, window):
     gen = torch.Generator().manual_seed(0)
     lens = torch.tensor([1, 5, 16, 17, 100, 333, 64], dtype=torch.long)
     width = -(-int(lens.max()) // block_size) + 2  # padded with a trailing null block, as the runner does
@@ -86,6 +102,25 @@ def test_paged_decode_attention_matches_reference(kernels, attention_path, dtype
     kernels.paged_decode_attention(out, q, cache[0], cache[1], tables, lens, scale, window)
     expected = _reference_decode(q, cache[0], cache[1], tables, lens, scale, window)
     torch.testing.assert_close(out, expected, **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@_ATTENTION_SHAPES
+def test_paged_decode_attention_matches_reference(kernels, dtype, heads, kv_heads, head_dim, block_size, window):
+    """The vector path (bf16 too: AMX off), in every build."""
+    kernels.set_amx(False)
+    try:
+        _check_decode_attention(kernels, dtype, heads, kv_heads, head_dim, block_size, window)
+    finally:
+        kernels.set_amx(True)  # the default
+
+
+@_ATTENTION_SHAPES
+def test_amx_decode_attention_matches_reference(native_kernels, heads, kv_heads, head_dim, block_size, window):
+    """bf16 decode attention on AMX tiles, where the native build and the CPU (and OS) have them."""
+    if not native_kernels.set_amx(True):
+        pytest.skip("this CPU (or OS) gives no AMX tiles")
+    _check_decode_attention(native_kernels, torch.bfloat16, heads, kv_heads, head_dim, block_size, window)
 
 
 def test_paged_decode_attention_rejects_bad_input(kernels):
@@ -158,33 +193,55 @@ def test_packed_bf16_linear_is_bit_exact(rows):
     assert torch.equal(layer(x), expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+_F32, _BF16 = torch.float32, torch.bfloat16
+
+
+@pytest.mark.parametrize(("x_dtype", "w_dtype"), [(_F32, _F32), (_BF16, _BF16), (_F32, _BF16)])
 @pytest.mark.parametrize(("rows", "out_features", "in_features", "bias"), [
-    (1, 960, 576, True),    # SmolLM2's qkv at batch 1
-    (2, 576, 1536, False),  # its down projection at batch 2
-    (1, 35, 50, True),      # a partial 16-row block and a partial K chunk
-    (3, 17, 96, False),     # more rows than the model routes here: still right
+    (1, 960, 576, True),     # SmolLM2's qkv at batch 1
+    (2, 576, 1536, False),   # its down projection at batch 2
+    (1, 35, 50, True),       # a partial row block and a partial K chunk
+    (5, 17, 96, False),      # a partial tile of x rows
+    (16, 130, 203, True),    # FEW_ROWS_MAX-sized batches, every tail at once
 ])
-def test_linear_small_matches_float64(kernels, dtype, rows, out_features, in_features, bias):
+def test_linear_small_matches_float64(kernels, x_dtype, w_dtype, rows, out_features, in_features, bias):
+    out_dtype = _BF16 if x_dtype == w_dtype == _BF16 else _F32  # bias and output: fp32 unless all bf16
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(rows, 2 * in_features, generator=gen).to(dtype)[:, :in_features]  # strided rows
-    w = torch.randn(out_features, in_features, generator=gen).to(dtype)
-    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
-    out = torch.full((rows, out_features), float("nan"), dtype=dtype)
-    if not kernels.linear_small(out, x, w, b):
-        assert torch.isnan(out).all()  # declined, nothing written: Linear falls back to oneDNN/MKL
-        assert not has_few_row_linear(kernels)  # so the loader keeps no plain weights for it
-        pytest.skip("this CPU has no AVX-512: the few-row linear is not built")
-    assert has_few_row_linear(kernels)
+    x = torch.randn(rows, 2 * in_features, generator=gen).to(x_dtype)[:, :in_features]  # strided rows
+    w = torch.randn(out_features, in_features, generator=gen).to(w_dtype)
+    b = torch.randn(out_features, generator=gen).to(out_dtype) if bias else None
+    out = torch.full((rows, out_features), float("nan"), dtype=out_dtype)
+    if kernels.build_isa() == "generic":  # no vector path (x86-64-v2): declined, nothing written
+        assert not kernels.linear_small(out, x, w, b)
+        assert torch.isnan(out).all()
+        assert not has_few_row_linear(kernels, x_dtype, w_dtype)  # so the loader keeps no plain weights for it
+        return
+    assert kernels.linear_small(out, x, w, b)
+    assert has_few_row_linear(kernels, x_dtype, w_dtype)
     expected = F.linear(x.double(), w.double(), None if b is None else b.double())
     # Each side sums in fp32 in its own order, then rounds once to the dtype, as F.linear does.
-    torch.testing.assert_close(out.double(), expected, **({"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, **({"atol": 1e-4, "rtol": 1e-5} if out_dtype == _F32
                                                           else {"atol": 0.25, "rtol": 8e-3}))
     assert not kernels.linear_small(out, x, w.t(), b)  # a transposed (strided) weight: declined, not misread
     assert not kernels.linear_small(out[:, :-1], x, w, b)  # shapes that disagree: declined
+    assert not kernels.linear_small(out, x.to(torch.float16), w, b)  # a dtype it does not take: declined
+    if bias:
+        assert not kernels.linear_small(out, x, w, b.to(_BF16 if out_dtype == _F32 else _F32))  # bias not out's dtype
 
 
-def test_linear_module_routes_few_rows_to_the_kernel(kernels):
+def test_few_row_linear_probe_names_the_dtype_pairs(kernels):
+    vector = kernels.build_isa() != "generic"
+    assert has_few_row_linear(kernels, _F32) == vector
+    assert has_few_row_linear(kernels, _F32, _BF16) == vector
+    assert has_few_row_linear(kernels) == vector  # bf16 x and w
+    assert not has_few_row_linear(kernels, _BF16, _F32)  # bf16 x with fp32 weights: not a combination it takes
+    assert not has_few_row_linear(None)
+
+
+def test_linear_module_routes_few_rows_to_the_kernel(native_kernels):
+    kernels = native_kernels
+    if not has_few_row_linear(kernels):
+        pytest.skip("this build has no few-row linear (no AVX2)")
     layer, x, expected = _bf16_linear(5, 4)
     layer.pack()
     calls = []
@@ -218,13 +275,13 @@ def test_argmax_rows_matches_torch_argmax(kernels, dtype):
     assert torch.equal(Sampler(kernels)(logits, greedy).sampled_token_ids, logits.argmax(-1))
 
 
-def test_engine_with_kernels_matches_the_torch_path(make_llm, smollm2_fp32, kernels):
+def test_engine_with_kernels_matches_the_torch_path(make_llm, smollm2_fp32, native_kernels):
     """The same greedy tokens, with close logprobs, whichever path runs attention and the
     small ops; decodes of different lengths in one batch exercise the load balancing."""
     llm = make_llm(max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True)
     prompts = PROMPTS[:6]
-    runner = llm.engine.core.runner
+    runner, kernels = llm.engine.core.runner, native_kernels
     assert runner.kernels is kernels
     native = llm.generate(prompts, params)
     try:

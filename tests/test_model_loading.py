@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
+from threefold.cpu import cpu_info
 from threefold.errors import ModelNotFoundError, ThreefoldError
-from threefold.model.loader import LoadedModel, load_model, resolve_dtype
+from threefold.model.loader import LoadedModel, load_model
 
 from model_fixtures import TINY_GENERATION_CONFIG, make_tiny_checkpoint, smollm2_gguf_path
 
@@ -49,21 +50,13 @@ def test_hf_dir_loads_in_checkpoint_dtype_and_eval(tiny_llama):
     assert tiny_llama.max_model_len == 256 and tiny_llama.name == "llama"
 
 
-def test_fp16_checkpoint_computes_in_bf16_on_cpu(tmp_path):
+def test_fp16_checkpoint_never_computes_in_fp16_on_cpu(tmp_path):
+    """bf16 where the CPU has native bf16, else fp32 (tests/test_dtype_policy.py has the rules)."""
     loaded = load_model(str(make_tiny_checkpoint(tmp_path / "fp16", "fp16")))
-    assert loaded.config.dtype == torch.bfloat16
-    assert loaded.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    assert loaded.config.dtype == (torch.bfloat16 if cpu_info().native_bf16 else torch.float32)
+    assert loaded.model.layers[0].self_attn.qkv_proj.weight.dtype == loaded.config.dtype
     with pytest.raises(ThreefoldError, match="float16 is not supported on CPU"):
         load_model(str(tmp_path / "fp16"), dtype="float16")
-
-
-def test_resolve_dtype_rules():
-    assert resolve_dtype("auto", torch.float16, "cpu") == torch.bfloat16
-    assert resolve_dtype("auto", torch.float16, "cuda") == torch.float16
-    assert resolve_dtype("float32", torch.bfloat16, "cpu") == torch.float32
-    with pytest.raises(ThreefoldError, match=r"unsupported dtype 'int8'.*auto, float32, bfloat16") as err:
-        resolve_dtype("int8", torch.float32, "cpu")
-    assert err.value.param == "dtype"
 
 
 def test_unsupported_architecture_is_clear(tiny_llama, tmp_path):
@@ -105,7 +98,8 @@ def test_missing_shard_tensor_is_clear(tmp_path):
 def test_smollm2_metadata(smollm2):
     assert smollm2.name == "smollm2-135m"
     assert smollm2.max_model_len == 1024  # min(8192, user's 1024)
-    assert smollm2.config.dtype == torch.bfloat16  # quantized GGUF, dtype="auto"
+    # quantized GGUF, dtype="auto": bf16 compute only where the CPU has native bf16
+    assert smollm2.config.dtype == (torch.bfloat16 if cpu_info().native_bf16 else torch.float32)
     assert smollm2.generation_defaults == {}
     tok = smollm2.tokenizer
     # SmolLM2-Instruct: eos 2 is <|im_end|>, the end of an assistant turn; 0 is <|endoftext|>.
@@ -117,11 +111,14 @@ def test_smollm2_metadata(smollm2):
 
 def test_fingerprint_is_stable_and_dtype_specific(smollm2):
     """Recomputed from the file alone (as another process would): same value; another
-    dtype gives other KV values, so another fingerprint."""
+    precision gives other KV values, so another fingerprint."""
+    from dataclasses import replace
+
     from threefold.model.loader import fingerprint
 
-    assert fingerprint([smollm2_gguf_path()], torch.bfloat16) == smollm2.fingerprint
-    assert fingerprint([smollm2_gguf_path()], torch.float32) != smollm2.fingerprint
+    assert fingerprint([smollm2_gguf_path()], smollm2.precision) == smollm2.fingerprint
+    other = torch.float32 if smollm2.precision.compute == torch.bfloat16 else torch.bfloat16
+    assert fingerprint([smollm2_gguf_path()], replace(smollm2.precision, compute=other)) != smollm2.fingerprint
 
 
 def test_smollm2_tokenizer_roundtrip_and_chat_template(smollm2):

@@ -7,7 +7,7 @@ import os
 import sys
 import uuid
 
-from threefold.config import CacheConfig, ModelConfig, SchedulerConfig
+from threefold.config import DTYPES, CacheConfig, ModelConfig, SchedulerConfig
 from threefold.errors import ThreefoldError
 
 
@@ -15,7 +15,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine knobs shared by generate, chat and serve; every default is read from threefold/config.py."""
     model, cache, sched = ModelConfig(), CacheConfig(), SchedulerConfig()
     parser.add_argument("--model", default=model.model, help="registry name, GGUF file or HF directory")
-    parser.add_argument("--dtype", default=model.dtype, choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--dtype", default=model.dtype, choices=DTYPES)
     parser.add_argument("--max-model-len", type=int, default=model.max_model_len)
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=cache.kv_cache_memory,
                         help="e.g. 2GiB, 512MiB or bytes (default: a share of free RAM)")

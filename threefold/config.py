@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from threefold.errors import ThreefoldError
 from threefold.kv.spec import parse_kv_spec
 
-_DTYPES = ("auto", "float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16", "bf16-weights")
+"""ModelConfig.dtype's values (threefold.model.precision explains each)."""
 
 DEFAULT_MODEL = "smollm2-135m"
 """The registry name loaded when none is given (CLI, server, LLM(), benchmarks); the registry re-exports it."""
@@ -23,14 +24,15 @@ class ModelConfig:
     model: str = DEFAULT_MODEL
     """Registry name, GGUF file path or Hugging Face checkpoint directory."""
     dtype: str = "auto"
-    """Weight/compute dtype: auto (checkpoint's; bf16 for quantized GGUF), float32, bfloat16."""
+    """auto (per CPU: bf16 where it has a native bf16 dot product, else fp32 compute), float32,
+    bfloat16, or bf16-weights (bf16 weight storage, fp32 compute)."""
     max_model_len: int | None = None
     """Cap on prompt + output tokens; None = the model's own context length."""
     seed: int = 0
     """Seed of the default generator (requests without their own seed)."""
 
     def __post_init__(self) -> None:
-        _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}.", "dtype")
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}.", "dtype")
         _require(self.max_model_len is None or self.max_model_len >= 2,
                  f"max_model_len must be at least 2, got {self.max_model_len}.", "max_model_len")
 

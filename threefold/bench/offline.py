@@ -24,6 +24,7 @@ from threefold.bench.peers import best_dtype, convert, converted_dir, is_install
 from threefold.bench.report import cpu_record
 from threefold.bench.serve import build_workload
 from threefold.bench.tokenizer import load_tokenizer, resolve_model_path
+from threefold.config import DTYPES
 from threefold.errors import ThreefoldError
 
 ENGINES = ("threefold", "vllm", "transformers")
@@ -107,7 +108,10 @@ def run_transformers(model: str, requests: list[dict], dtype: str, batch_size: i
 def run_offline(args: argparse.Namespace, requests: list[dict] | None = None) -> dict:
     """One engine on the workload; returns an `offline` result document for `bench report`."""
     requests = requests if requests is not None else token_workload(args)
-    dtype = args.dtype = best_dtype(args.dtype)  # the same concrete dtype for every engine, recorded
+    # Peers get `auto` made concrete (the same compute dtype for each); threefold keeps its own
+    # per-CPU `auto` (fp32 compute over bf16-stored weights on AVX2, see model/precision.py).
+    dtype = args.dtype if args.engine == "threefold" else best_dtype(args.dtype)
+    args.dtype = dtype  # recorded
     if args.engine == "threefold":
         elapsed = run_threefold(args.model, requests, dtype, args.max_total_len, args.kv_cache_dtype,
                                 args.kv_cache_memory)
@@ -126,8 +130,9 @@ def run_offline(args: argparse.Namespace, requests: list[dict] | None = None) ->
 
 def add_offline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=ENGINES, default="threefold")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
-                        help="every engine's compute dtype; auto: bf16 only on CPUs with native bf16, else fp32")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="every engine's compute dtype; auto: bf16 only on CPUs with native bf16, else fp32 "
+                             "(threefold resolves its own auto: see threefold/model/precision.py)")
     parser.add_argument("--batch-size", type=int, default=16, help="transformers: static batch size")
     from threefold.cli import parse_bytes
     parser.add_argument("--kv-cache-dtype", default="auto", help="threefold: KV codec spec (see threefold info)")

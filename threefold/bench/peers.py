@@ -179,6 +179,8 @@ def best_dtype(dtype: str = "auto") -> str:
     any CPU, which on AVX2 is emulated at about 0.4x fp32: each engine is measured
     at its best dtype for this CPU, and both at the same one.
     """
+    if dtype == "bf16-weights":  # threefold's own mixed layout; peers compute in fp32 then
+        return "float32"
     if dtype != "auto":
         return dtype
     from threefold.cpu import has_native_bf16

@@ -70,6 +70,7 @@ class LLMEngine:
         self.eos_token_ids = list(loaded.eos_token_ids)
         self.vocab_size = loaded.config.vocab_size
         torch.manual_seed(model_config.seed)
+        loaded.precision.log(logger)  # which dtype, on which CPU, and why
         self.core = EngineCore(loaded, cache_config, sched_config, self.max_model_len, args.device,
                                args.speculative)
         self.processor = OutputProcessor(self.tokenizer)

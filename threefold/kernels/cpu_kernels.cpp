@@ -20,10 +20,9 @@
 // silu_and_mul -- silu(gate) * up from the fused gate_up projection.
 // All three compute in fp32 and round once to the storage dtype.
 
-// threefold-exports: paged_decode_attention add_rms_norm rotary_embedding silu_and_mul set_amx linear_small argmax_rows
+// threefold-exports: paged_decode_attention add_rms_norm rotary_embedding silu_and_mul set_amx
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "kernel_common.h"
 
 #include <atomic>
 
@@ -35,23 +34,9 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+using threefold::to_float;
 
 namespace {
-
-template <typename T>
-inline float to_float(T x) { return static_cast<float>(x); }
-
-// bf16 is the top half of an fp32: widen by a shift (vectorizes, unlike a call).
-template <>
-inline float to_float<at::BFloat16>(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 // D > 0: head_dim known at compile time (fully unrolled, vectorized without
 // epilogues); D == 0: the runtime `d`.
@@ -186,8 +171,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
 
 }  // namespace
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define THREEFOLD_AMX 1
+#ifdef THREEFOLD_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -438,6 +422,142 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
 }  // namespace amx
 #endif  // THREEFOLD_AMX
 
+#if defined(THREEFOLD_AVX2) && !defined(THREEFOLD_AVX512)
+// Decode attention on AVX2 (head_dim 64 or 128), the same two passes as the generic `run`, in
+// blocks of 16 keys: their rows are widened to fp32 once (bf16) into an L1 buffer; pass 1
+// sums each (head, key) dot product in 8 lanes and reduces eight keys' lanes together
+// (one hadd tree, not eight horizontal sums); pass 2 keeps 64 dims of a head's output in
+// registers across the block. The compiler's version of the generic loop spent ~3x longer.
+namespace avx2 {
+
+constexpr int kKeys = 16;
+
+// v[j] -> sum of v[j]'s lanes, for j < 8, as one vector.
+inline __m256 reduce8(const __m256 (&v)[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// The rows of keys [t0, t0 + count) as fp32 pointers: in place for fp32, else widened into buf.
+template <int D, typename T>
+inline void block_rows(const T* const* src, int count, float (&buf)[kKeys][D], const float* (&rows)[kKeys]) {
+  for (int j = 0; j < count; ++j) {
+    if constexpr (std::is_same_v<T, float>) {
+      rows[j] = src[j];
+    } else {
+      for (int c = 0; c < D; c += 8) _mm256_storeu_ps(buf[j] + c, threefold::load8(src[j] + c));
+      rows[j] = buf[j];
+    }
+  }
+}
+
+template <int D>
+inline void score_block(const float* const (&rows)[kKeys], int count, const float* qf, int64_t group, float* scores,
+                        int64_t n) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = qf + g * D;
+    for (int j0 = 0; j0 < count; j0 += 8) {
+      __m256 part[8];
+      for (int j = 0; j < 8; ++j) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        if (j0 + j < count)
+          for (int c = 0; c < D; c += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(rows[j0 + j] + c), _mm256_loadu_ps(qg + c), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(rows[j0 + j] + c + 8), _mm256_loadu_ps(qg + c + 8), a1);
+          }
+        part[j] = _mm256_add_ps(a0, a1);
+      }
+      alignas(32) float s[8];
+      _mm256_store_ps(s, reduce8(part));
+      for (int j = 0; j < std::min(8, count - j0); ++j) scores[g * n + j0 + j] = s[j];
+    }
+  }
+}
+
+template <int D>
+inline void accumulate_block(const float* const (&rows)[kKeys], int count, const float* p, int64_t group, int64_t n,
+                             float* acc) {
+  for (int64_t g = 0; g < group; ++g)
+    for (int c0 = 0; c0 < D; c0 += 64) {
+      __m256 o[8];
+      float* dst = acc + g * D + c0;
+      for (int c = 0; c < 8; ++c) o[c] = _mm256_loadu_ps(dst + 8 * c);
+      for (int j = 0; j < count; ++j) {
+        const __m256 pj = _mm256_broadcast_ss(p + g * n + j);
+        for (int c = 0; c < 8; ++c) o[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(rows[j] + c0 + 8 * c), o[c]);
+      }
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(dst + 8 * c, o[c]);
+    }
+}
+
+template <int D, typename T>
+void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window) {
+  static_assert(D % 64 == 0, "head_dim must be a multiple of 64");
+  const DecodeArgs<T> a(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+  const std::vector<int64_t> bounds = split_by_cost(a.lens, a.num_seqs, a.num_kv_heads, window, 16);
+  const int64_t num_parts = static_cast<int64_t>(bounds.size()) - 1;
+
+  at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    std::vector<float> qf(a.group * D), acc(a.group * D), scores;
+    std::vector<const T*> krows, vrows;
+    alignas(32) float buf[kKeys][D];
+    const float* rows[kKeys];
+    for (int64_t item = bounds[part_begin]; item < bounds[part_end]; ++item) {
+      const int64_t b = item / a.num_kv_heads, kvh = item % a.num_kv_heads;
+      const int64_t len = a.lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      const int64_t* table = a.tables + b * a.table_width;
+      krows.resize(n);
+      vrows.resize(n);
+      for (int64_t pos = first; pos < len;) {  // one walk of the block table, no division per row
+        const int64_t blk = pos / a.block_size;
+        const int64_t end_in_block = std::min(a.block_size, len - blk * a.block_size);
+        const int64_t base = table[blk] * a.kv_block + kvh * a.kv_head;
+        for (int64_t off = pos - blk * a.block_size; off < end_in_block; ++off, ++pos) {
+          krows[pos - first] = a.k_ptr + base + off * a.kv_token;
+          vrows[pos - first] = a.v_ptr + base + off * a.kv_token;
+        }
+      }
+      for (int64_t g = 0; g < a.group; ++g) {
+        const T* src = a.q_ptr + b * a.q_seq + (kvh * a.group + g) * a.q_head;
+        for (int64_t i = 0; i < D; ++i) qf[g * D + i] = to_float(src[i]) * a.fscale;
+      }
+      scores.resize(a.group * n);
+      for (int64_t t0 = 0; t0 < n; t0 += kKeys) {
+        const int count = static_cast<int>(std::min<int64_t>(kKeys, n - t0));
+        block_rows<D, T>(krows.data() + t0, count, buf, rows);
+        score_block<D>(rows, count, qf.data(), a.group, scores.data() + t0, n);
+      }
+      std::vector<float> inv_sum(a.group);  // softmax per head in fp32; 1 / sum folded into the output
+      for (int64_t g = 0; g < a.group; ++g) {
+        float* s = scores.data() + g * n;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - mx);  // vectorized (libmvec)
+        for (int64_t t = 0; t < n; ++t) sum += s[t];
+        inv_sum[g] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0; t0 < n; t0 += kKeys) {
+        const int count = static_cast<int>(std::min<int64_t>(kKeys, n - t0));
+        block_rows<D, T>(vrows.data() + t0, count, buf, rows);
+        accumulate_block<D>(rows, count, scores.data() + t0, a.group, n, acc.data());
+      }
+      for (int64_t g = 0; g < a.group; ++g) {
+        T* dst = a.out_ptr + b * a.o_seq + (kvh * a.group + g) * a.o_head;
+        for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[g * D + i] * inv_sum[g]);
+      }
+    }
+  });
+}
+
+}  // namespace avx2
+#endif
+
 // out, q: [B, H, d]; k_cache, v_cache: [num_blocks, block_size, kv_heads, d] (last dim contiguous);
 // block_tables: [B, width] int64; seq_lens: [B] int64 (>= 1); window <= 0 means no sliding window.
 void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
@@ -462,6 +582,14 @@ void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at
     if (q.size(2) == 64) return amx::run<64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
     if (q.size(2) == 128) return amx::run<128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
   }
+#endif
+#if defined(THREEFOLD_AVX2) && !defined(THREEFOLD_AVX512)
+  if (q.size(2) == 64)
+    return bf16 ? avx2::run<64, at::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+                : avx2::run<64, float>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+  if (q.size(2) == 128)
+    return bf16 ? avx2::run<128, at::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+                : avx2::run<128, float>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
 #endif
   switch (q.size(2)) {
     case 64:
@@ -608,164 +736,4 @@ bool set_amx(bool enable) {
   (void)enable;
   return false;
 #endif
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-namespace {
-
-// One 16-row block of W against one row of x: acc[r] = sum_k x[k] w[r, k], the K axis
-// folded into 16 fp32 lanes per row (bf16: dpbf16 on pairs where the CPU has it).
-template <typename T>
-inline void block_dot(const T* __restrict w, int64_t k_dim, int64_t rows, const T* __restrict x, float* res,
-                      const T* ahead, int64_t ahead_rows) {
-  __m512 acc[16];
-  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-  constexpr int64_t kStep = std::is_same_v<T, float> ? 16 : 32;  // elements per 64-byte load
-  for (int64_t k = 0; k < k_dim; k += kStep) {
-    for (int64_t r = 0; r < ahead_rows; ++r)  // the same columns of a later block
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + r * k_dim + k), _MM_HINT_T0);
-    const int64_t left = k_dim - k;
-    if constexpr (std::is_same_v<T, float>) {
-      const __mmask16 m = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
-      const __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
-      for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + r * k_dim + k), xv, acc[r]);
-    } else {
-      const __mmask32 m = left >= 32 ? __mmask32(0xffffffffu) : __mmask32((1ull << left) - 1);
-      const __m512i xv = _mm512_maskz_loadu_epi16(m, x + k);
-      for (int64_t r = 0; r < rows; ++r) {
-        const __m512i wv = _mm512_maskz_loadu_epi16(m, w + r * k_dim + k);
-#ifdef __AVX512BF16__
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)wv, (__m512bh)xv);
-#else   // widen each half: bf16 is the top 16 bits of an fp32
-        const __m512 wl = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(wv)), 16));
-        const __m512 wh = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(wv, 1)), 16));
-        const __m512 xl = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(xv)), 16));
-        const __m512 xh = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(xv, 1)), 16));
-        acc[r] = _mm512_fmadd_ps(wh, xh, _mm512_fmadd_ps(wl, xl, acc[r]));
-#endif
-      }
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) res[r] = _mm512_reduce_add_ps(acc[r]);
-}
-
-template <typename T>
-void linear_small_impl(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const T* bias) {
-  const int64_t m_dim = x.size(0), k_dim = x.size(1), n_dim = w.size(0);
-  const T* xp = x.data_ptr<T>();
-  const T* wp = w.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const int64_t x_stride = x.stride(0), o_stride = out.stride(0);
-  const int64_t num_blocks = (n_dim + 15) / 16;
-  constexpr int64_t kAhead = 1;  // the block whose columns are prefetched alongside (1 beat 2 and 4, measured)
-  at::parallel_for(0, num_blocks, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; ++nb) {
-      const int64_t ahead_rows = nb + kAhead < end ? std::min<int64_t>(16, n_dim - (nb + kAhead) * 16) : 0;
-      const int64_t rows = std::min<int64_t>(16, n_dim - nb * 16);
-      for (int64_t m = 0; m < m_dim; ++m) {
-        float res[16];
-        block_dot<T>(wp + nb * 16 * k_dim, k_dim, rows, xp + m * x_stride, res, wp + (nb + kAhead) * 16 * k_dim,
-                     m == 0 ? ahead_rows : 0);
-        T* dst = op + m * o_stride + nb * 16;
-        for (int64_t r = 0; r < rows; ++r)
-          dst[r] = static_cast<T>(res[r] + (bias != nullptr ? to_float(bias[nb * 16 + r]) : 0.f));
-      }
-    }
-  });
-}
-
-}  // namespace
-#endif
-
-// out [M, N] = x [M, K] @ w[N, K]^T (+ bias [N]) for the few-row case (decode at batch 1-2):
-// a plain streaming pass over W, which is what bounds it, with W prefetched ahead. oneDNN
-// is better from a few rows up, where W is reused across rows. Returns false (nothing
-// written) where this build has no AVX-512 or the inputs don't fit; the caller falls back.
-bool linear_small(at::Tensor out, at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  if (x.dim() != 2 || w.dim() != 2 || out.dim() != 2 || x.size(1) != w.size(1) || out.size(0) != x.size(0) ||
-      out.size(1) != w.size(0) || x.stride(1) != 1 || out.stride(1) != 1 || !w.is_contiguous() ||
-      x.scalar_type() != w.scalar_type() || out.scalar_type() != w.scalar_type())
-    return false;
-  if (bias.has_value() && (!bias->is_contiguous() || bias->scalar_type() != w.scalar_type() || bias->numel() != w.size(0)))
-    return false;
-  if (w.scalar_type() == at::kBFloat16) {
-    linear_small_impl<at::BFloat16>(out, x, w, bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr);
-    return true;
-  }
-  if (w.scalar_type() == at::kFloat) {
-    linear_small_impl<float>(out, x, w, bias.has_value() ? bias->data_ptr<float>() : nullptr);
-    return true;
-  }
-#endif
-  return false;
-}
-
-namespace {
-
-template <typename T>
-int64_t row_argmax(const T* row, int64_t n) {
-  // The first index of the maximum; a NaN wins (as torch.max reports one), the first NaN.
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __mmask16 nan_seen = 0;
-  auto load = [&](int64_t i, __mmask16 m) {
-    if constexpr (std::is_same_v<T, float>) return _mm512_maskz_loadu_ps(m, row + i);
-    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row + i)), 16));
-  };
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
-    const __m512 v = load(i, m);
-    nan_seen |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
-    best = _mm512_mask_max_ps(best, m, best, v);
-  }
-  const float mx = _mm512_reduce_max_ps(best);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
-    const __m512 v = load(i, m);
-    const __mmask16 hit = nan_seen ? _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q)
-                                   : _mm512_mask_cmp_ps_mask(m, v, _mm512_set1_ps(mx), _CMP_EQ_OQ);
-    if (hit) return i + __builtin_ctz(hit);
-  }
-  return 0;
-#else
-  // -ffast-math lets std::isnan fold to false: test the bits.
-  auto is_nan = [](float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof(bits));
-    return (bits & 0x7fffffffu) > 0x7f800000u;
-  };
-  int64_t arg = 0;
-  float best = to_float(row[0]);
-  for (int64_t i = 1; i < n && !is_nan(best); ++i) {
-    const float v = to_float(row[i]);
-    if (is_nan(v) || v > best) best = v, arg = i;
-  }
-  return arg;
-#endif
-}
-
-}  // namespace
-
-// Row-wise argmax of logits [N, V] (rows contiguous; float32 or bfloat16) -> [N] int64, the
-// first index on ties, as torch.argmax. A greedy step's sampling is only this, and torch's
-// reduction reads bf16 at a few GB/s.
-at::Tensor argmax_rows(at::Tensor logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0, "argmax_rows: logits [N, V > 0]");
-  auto out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
-  int64_t* dst = out.data_ptr<int64_t>();
-  const int64_t n = logits.size(1), stride = logits.stride(0);
-  if (logits.scalar_type() == at::kBFloat16) {
-    const at::BFloat16* src = logits.data_ptr<at::BFloat16>();
-    at::parallel_for(0, logits.size(0), 1, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) dst[r] = row_argmax(src + r * stride, n);
-    });
-  } else {
-    TORCH_CHECK(logits.scalar_type() == at::kFloat, "argmax_rows supports float32 and bfloat16");
-    const float* src = logits.data_ptr<float>();
-    at::parallel_for(0, logits.size(0), 1, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) dst[r] = row_argmax(src + r * stride, n);
-    });
-  }
-  return out;
 }

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from threefold.kernels import has_few_row_linear
+from threefold.kernels import FEW_ROWS_MAX, has_few_row_linear
 from threefold.model.config import ModelArchConfig
 
 AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -32,7 +32,8 @@ views into one buffer, not contiguous: use .reshape or .contiguous, not .view.
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose bf16 CPU weight can be prepacked once for oneDNN.
+    """nn.Linear whose bf16 CPU weight can be prepacked once for oneDNN, and whose few-row
+    calls can stream a weight of their own through threefold.kernels.
 
     F.linear in bf16 reorders the weight into oneDNN's blocked layout on every
     call; `pack` does it once at load (what inductor's freezing pass does), and
@@ -40,15 +41,17 @@ class Linear(nn.Linear):
     1.3-1.5x faster at every batch size on the 2-core Xeon (microbenchmark with
     SmolLM2's 30 layers of weights, cold). fp32 keeps F.linear (MKL).
 
-    With `kernels` set, a call of at most SMALL_ROWS rows (decode at batch 1-2)
-    takes threefold.kernels' linear_small instead: a plain prefetched stream over
-    the row-major weight, 1.4x oneDNN's GEMV at one row (SmolLM2's 30 layers,
-    cold); oneDNN wins from a few rows up, where each weight is reused. That
-    needs the plain weight, so with kernels both forms are kept.
+    With `kernels` set, a call of at most FEW_ROWS_MAX rows (decode at batch 1-2)
+    takes threefold.kernels' linear_small over `stream_weight` instead: a plain
+    prefetched stream over the row-major weight, 1.4x oneDNN's GEMV at one row
+    (SmolLM2's 30 layers, cold); oneDNN/MKL win from a few rows up, where each
+    weight is reused. `stream_weight` is the plain weight, or, with bf16 weights
+    and fp32 compute (`store_bf16`), a bf16 copy holding the very values of the
+    fp32 weight, which the kernel widens in registers at half the bytes.
     """
 
-    SMALL_ROWS = 2
     packed: Tensor | None = None
+    stream_weight: Tensor | None = None
     kernels: ModuleType | None = None
 
     def pack(self) -> bool:
@@ -62,10 +65,17 @@ class Linear(nn.Linear):
             return False
         return True
 
+    def store_bf16(self) -> None:
+        """Round the fp32 weight to bf16 in place and keep that bf16 form to stream: the
+        few-row kernel (bf16) and F.linear (fp32) then multiply identical values."""
+        if self.stream_weight is None:  # a tied weight is rounded once
+            self.stream_weight = self.weight.data.to(torch.bfloat16)
+            self.weight.data.copy_(self.stream_weight)
+
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernels is not None and x.dim() == 2 and x.shape[0] <= self.SMALL_ROWS:
+        if self.kernels is not None and x.dim() == 2 and x.shape[0] <= FEW_ROWS_MAX:
             out = x.new_empty(x.shape[0], self.out_features)
-            if self.kernels.linear_small(out, x, self.weight, self.bias):
+            if self.kernels.linear_small(out, x, self.stream_weight, self.bias):
                 return out
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -277,6 +287,14 @@ class CausalLM(nn.Module):
         """Share the embedding matrix with the LM head (tie_word_embeddings)."""
         self.lm_head.weight = self.embed_tokens.weight
 
+    def store_bf16(self) -> None:
+        """bf16 weight storage with fp32 compute (dtype="bf16-weights"): every Linear's fp32
+        weight is rounded to bf16 and its bf16 form kept for the few-row kernel to stream.
+        The tied embedding is the LM head's weight, so it holds the rounded values too."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.store_bf16()
+
     def pack_weights(self, keep_plain: bool = False) -> None:
         """Prepack every bf16 Linear for oneDNN (see `Linear`). Unless keep_plain (the
         few-row kernel reads the plain form), a packed matrix no longer needed in its plain
@@ -292,12 +310,15 @@ class CausalLM(nn.Module):
         threefold.kernels' native passes (None: the torch ops, which compute the same up
         to rounding)."""
         self.kernels = kernels
-        few_rows = has_few_row_linear(kernels)
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.kernels = kernels
-            elif isinstance(module, Linear):  # where the kernel runs and the plain weight was kept
-                module.kernels = kernels if few_rows and module.weight.device.type != "meta" else None
+            elif isinstance(module, Linear):  # where the kernel runs and the weight it streams is kept
+                if module.stream_weight is None and module.weight.device.type != "meta":
+                    module.stream_weight = module.weight.detach()  # a plain view: no second Parameter
+                stream = module.stream_weight
+                runs = stream is not None and has_few_row_linear(kernels, self.config.dtype, stream.dtype)
+                module.kernels = kernels if runs else None
 
     def init_rope(self, max_len: int) -> None:
         """Precompute cos/sin for positions [0, max_len) on the weights' device."""

@@ -5,64 +5,55 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
+from threefold.cpu import cpu_info
 from threefold.env import Env
 from threefold.errors import ModelNotFoundError, ThreefoldError
 from threefold.kernels import cpu_kernels, has_few_row_linear
 from threefold.model import gguf_loader, hf_loader
 from threefold.model.config import ModelArchConfig
 from threefold.model.llama import CausalLM
+from threefold.model.precision import Precision, resolve_precision
 from threefold.model.tokenizer import Tokenizer
 from threefold.model.weights import TensorSource, fused_state_dict
 
-SUPPORTED_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FINGERPRINT_HEAD_BYTES = 1 << 20
 
 
 @dataclass
 class LoadedModel:
     model: CausalLM
-    """eval mode, no grads, in `config.dtype`, on the requested device."""
+    """eval mode, no grads, computing in `config.dtype`, on the requested device."""
     config: ModelArchConfig
     tokenizer: Tokenizer
     generation_defaults: dict
     """Sampling defaults from generation_config.json, only the keys present; {} for GGUF."""
     eos_token_ids: list[int]
     """Every id that ends generation (config, generation_config and tokenizer eos)."""
+    precision: Precision
+    """The compute dtype and weight storage chosen for `dtype`, and why (logged at engine start)."""
     fingerprint: str
-    """sha256 over weight file names, sizes, first MiB, and the dtype: stable across processes."""
+    """sha256 over weight file names, sizes, first MiB, and the numerics: stable across processes."""
     name: str
     """Registry name, or the file/directory name."""
     max_model_len: int
     """min(config.max_position_embeddings, the user's max_model_len)."""
 
 
-def resolve_dtype(requested: str, checkpoint_dtype: torch.dtype, device: str) -> torch.dtype:
-    """"auto" takes the checkpoint's dtype, except fp16 on CPU becomes bf16 (fp16 matmul
-    there runs ~1000x slower)."""
-    if requested not in SUPPORTED_DTYPES:
-        raise ThreefoldError(
-            f"unsupported dtype {requested!r}; supported: {', '.join(SUPPORTED_DTYPES)}", param="dtype"
-        )
-    on_cpu = torch.device(device).type == "cpu"
-    if requested == "float16" and on_cpu:
-        raise ThreefoldError(
-            "dtype float16 is not supported on CPU (fp16 matmul is ~1000x slower there); use bfloat16 or float32",
-            param="dtype",
-        )
-    dtype = SUPPORTED_DTYPES[requested] or checkpoint_dtype
-    if dtype == torch.float16 and on_cpu:
-        return torch.bfloat16
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ThreefoldError(f"checkpoint dtype {dtype} is not supported; pass dtype='bfloat16'", param="dtype")
-    return dtype
+def choose_precision(requested: str, checkpoint: torch.dtype, device: str) -> tuple[Precision, ModuleType | None]:
+    """The precision for `requested` on this machine, and the CPU kernels the model will use."""
+    kernels = cpu_kernels() if torch.device(device).type == "cpu" else None
+    mixed_kernel = has_few_row_linear(kernels, torch.float32, torch.bfloat16)
+    return resolve_precision(requested, checkpoint, device, cpu_info(), mixed_kernel), kernels
 
 
-def fingerprint(files: list[Path], dtype: torch.dtype | None, extra: bytes = b"") -> str:
-    """sha256 of the dtype, `extra`, and each file's name, size and first MiB."""
-    digest = hashlib.sha256(str(dtype).encode() + extra)
+def fingerprint(files: list[Path], numerics: Precision | None, extra: bytes = b"") -> str:
+    """sha256 of the numerics (compute dtype and weight storage), `extra`, and each file's name,
+    size and first MiB."""
+    digest = hashlib.sha256((numerics.key() if numerics else "None").encode() + extra)
     for path in sorted(files):
         digest.update(f"{path.name}:{path.stat().st_size}".encode())
         with open(path, "rb") as f:
@@ -70,8 +61,10 @@ def fingerprint(files: list[Path], dtype: torch.dtype | None, extra: bytes = b""
     return digest.hexdigest()
 
 
-def build_model(config: ModelArchConfig, source: TensorSource, max_len: int, device: str) -> CausalLM:
-    """Construct on the meta device (no random init) and assign the checkpoint tensors."""
+def build_model(config: ModelArchConfig, source: TensorSource, max_len: int, device: str,
+                precision: Precision, kernels: ModuleType | None) -> CausalLM:
+    """Construct on the meta device (no random init), assign the checkpoint tensors, and lay
+    the linear weights out for `precision` and `kernels`."""
     state = fused_state_dict(source, config)
     with torch.device("meta"):
         model = CausalLM(config)
@@ -83,8 +76,10 @@ def build_model(config: ModelArchConfig, source: TensorSource, max_len: int, dev
         model.tie_weights()
     model.requires_grad_(False)
     model.eval().to(device)
-    kernels = cpu_kernels() if torch.device(device).type == "cpu" else None
-    model.pack_weights(keep_plain=has_few_row_linear(kernels))  # the few-row kernel reads plain weights
+    if precision.mixed:
+        model.store_bf16()
+    # the few-row kernel streams the plain weights, where it runs over them
+    model.pack_weights(keep_plain=has_few_row_linear(kernels, precision.compute, precision.weights))
     model.use_kernels(kernels)
     model.init_rope(max_len)
     return model
@@ -101,10 +96,11 @@ def _dedup(ids: list[int | None]) -> list[int]:
 def load_gguf(path: Path, name: str, dtype: str, device: str, max_model_len: int | None) -> LoadedModel:
     reader = gguf_loader.open_gguf(path)
     checkpoint_dtype = torch.float32 if gguf_loader.gguf_is_full_precision(reader) else torch.bfloat16
-    config = gguf_loader.gguf_arch_config(reader, resolve_dtype(dtype, checkpoint_dtype, device))
+    precision, kernels = choose_precision(dtype, checkpoint_dtype, device)
+    config = gguf_loader.gguf_arch_config(reader, precision.compute)
     max_len = _max_len(config, max_model_len)
-    model = build_model(config, gguf_loader.GGUFTensorSource(reader, config), max_len, device)
-    file_id = fingerprint([path], dtype=None)
+    model = build_model(config, gguf_loader.GGUFTensorSource(reader, config), max_len, device, precision, kernels)
+    file_id = fingerprint([path], None)
     tokenizer = Tokenizer.from_gguf(
         path, gguf_loader.gguf_chat_template(reader), cache_dir=Env.read().home / "tokenizers" / file_id[:32]
     )
@@ -115,7 +111,8 @@ def load_gguf(path: Path, name: str, dtype: str, device: str, max_model_len: int
         generation_defaults={},
         eos_token_ids=_dedup([*gguf_loader.gguf_eos_token_ids(reader), tokenizer.eos_token_id,
                               *tokenizer.end_of_generation_ids()]),
-        fingerprint=fingerprint([path], config.dtype),
+        precision=precision,
+        fingerprint=fingerprint([path], precision),
         name=name,
         max_model_len=max_len,
     )
@@ -123,10 +120,11 @@ def load_gguf(path: Path, name: str, dtype: str, device: str, max_model_len: int
 
 def load_hf_dir(path: Path, name: str, dtype: str, device: str, max_model_len: int | None) -> LoadedModel:
     raw = hf_loader.read_config(path)
-    config = hf_loader.hf_arch_config(raw, resolve_dtype(dtype, hf_loader.checkpoint_dtype(raw), device))
+    precision, kernels = choose_precision(dtype, hf_loader.checkpoint_dtype(raw), device)
+    config = hf_loader.hf_arch_config(raw, precision.compute)
     max_len = _max_len(config, max_model_len)
     with hf_loader.SafetensorsSource(path) as source:
-        model = build_model(config, source, max_len, device)
+        model = build_model(config, source, max_len, device, precision, kernels)
         files = source.files
     tokenizer = Tokenizer.from_dir(path)
     generation = hf_loader.read_generation_config(path)
@@ -137,7 +135,8 @@ def load_hf_dir(path: Path, name: str, dtype: str, device: str, max_model_len: i
         tokenizer=tokenizer,
         generation_defaults=hf_loader.sampling_defaults(generation),
         eos_token_ids=_dedup([*eos, tokenizer.eos_token_id]),
-        fingerprint=fingerprint(files, config.dtype, extra=(path / "config.json").read_bytes()),
+        precision=precision,
+        fingerprint=fingerprint(files, precision, extra=(path / "config.json").read_bytes()),
         name=name,
         max_model_len=max_len,
     )
