@@ -70,8 +70,7 @@ class DraftModelProposer(Proposer):
     def from_config(cls, config: SpeculativeConfig, target=None) -> DraftModelProposer:
         from threefold.model.loader import load_model
 
-        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(target.config.dtype, "auto")
-        draft = load_model(config.model, dtype=dtype, max_model_len=target.max_model_len)
+        draft = load_model(config.model, dtype=target.precision.name, max_model_len=target.max_model_len)
         check_compatible(target, draft)
         return cls(draft)
 
