@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--heads-dir", type=Path, default=Path.home() / ".cache/threefold/heads")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--workloads", default="humaneval,sharegpt")
     parser.add_argument("--num-prompts", type=int, default=32, help="per workload (batch 1 takes the first 6)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=1)
@@ -113,8 +114,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     loaded = load_model("smollm2-135m", dtype=args.dtype)
-    workloads = {"humaneval": humaneval_prompts(args.num_prompts),
-                 "sharegpt": sharegpt_prompts(loaded.tokenizer, args.num_prompts)}
+    loaders = {"humaneval": lambda: humaneval_prompts(args.num_prompts),
+               "sharegpt": lambda: sharegpt_prompts(loaded.tokenizer, args.num_prompts)}
+    workloads = {name: loaders[name]() for name in args.workloads.split(",")}
     engines = {name: LLMEngine(loaded, EngineArgs(dtype=args.dtype, kv_cache_memory=1 << 30, max_model_len=2048,
                                                   enable_prefix_caching=False, speculative_config=config))
                for name, config in configs(args.methods.split(","), args.heads_dir, args.k).items()}
