@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tests.prompts import PROMPTS
 from threefold.env import Env
-from threefold.kernels import available_targets, build_kernels, cpu_kernels, has_few_row_linear
+from threefold.kernels import available_targets, build_kernels, cpu_kernels, few_rows_max, has_few_row_linear
 from threefold.model.llama import Linear, apply_rope
 from threefold.sample.params import SamplingParams
 from threefold.sample.sampler import Sampler, SamplingMetadata
@@ -242,7 +242,8 @@ def test_linear_module_routes_few_rows_to_the_kernel(native_kernels):
     kernels = native_kernels
     if not has_few_row_linear(kernels):
         pytest.skip("this build has no few-row linear (no AVX2)")
-    layer, x, expected = _bf16_linear(5, 4)
+    limit = few_rows_max(kernels)
+    layer, x, expected = _bf16_linear(5, limit + 3)
     layer.pack()
     calls = []
     real = kernels.linear_small
@@ -251,10 +252,11 @@ def test_linear_module_routes_few_rows_to_the_kernel(native_kernels):
         def linear_small(self, *args):
             calls.append(args[1].shape[0])
             return real(*args)
-    layer.kernels = Spy()
+    layer.kernels, layer.stream_weight, layer.max_rows = Spy(), layer.weight.detach(), limit
     torch.testing.assert_close(layer(x[:1]), expected[:1], atol=0.25, rtol=8e-3)
+    torch.testing.assert_close(layer(x[:limit]), expected[:limit], atol=0.25, rtol=8e-3)
     torch.testing.assert_close(layer(x), expected, atol=0.25, rtol=8e-3)
-    assert calls == [1]  # one row took the kernel; four rows took oneDNN's packed GEMM
+    assert calls == [1, limit]  # up to the limit took the kernel; more rows took the packed GEMM
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -270,7 +272,7 @@ def test_argmax_rows_matches_torch_argmax(kernels, dtype):
     assert kernels.argmax_rows(logits)[:5].tolist() == [7, 49156, 77, 0, 0]
     short = torch.randn(5, 37, generator=gen).to(dtype)
     assert torch.equal(kernels.argmax_rows(short), short.argmax(-1))
-    greedy = SamplingMetadata.build([SamplingParams(temperature=0.0)] * 9, [[1]] * 9, [[]] * 9, {}, [2],
+    greedy = SamplingMetadata.build([SamplingParams(temperature=0.0)] * 9, [0] * 9, [None] * 9, {}, [2],
                                     logits.shape[-1], torch.device("cpu"))
     assert torch.equal(Sampler(kernels)(logits, greedy).sampled_token_ids, logits.argmax(-1))
 

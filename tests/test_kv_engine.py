@@ -17,17 +17,19 @@ def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def assert_matches(got: list[list[int]], reference: list[list[int]], min_prefix: int = 16) -> None:
-    """Batched = solo, allowing what quantization amplifies. fp32 matmuls round differently at
-    other batch and chunk shapes (~1e-7); rarely a K/V element sits that close to a rounding
+def assert_matches(got: list[list[int]], reference: list[list[int]], min_prefix: int = 13) -> None:
+    """Batched = solo, allowing what quantization amplifies. Matmuls round differently at other
+    batch and chunk shapes (~1e-7: on AVX2 up to 16 rows take the few-row kernel and more take
+    MKL, each with its own summation order); rarely a K/V element sits that close to a rounding
     boundary and lands one code away. One code is a whole step (int8: amax / 127 of a row whose
     amax is often an outlier channel), so it can flip a near-tie token. Measured on SmolLM2
     (a 60-token prompt, chunks of 7 vs one chunk): log-prob differences 1e-4 (auto), 0.6 (int8),
     1.7 (fp8), 6.6 (int4). So: the first 4 tokens of at least `min_prefix` of the 16 prompts,
-    and all but 2 prompts whole."""
+    and at least 12 prompts whole. A cache read from the wrong blocks or with the wrong scales
+    garbles nearly every prompt, and fails both."""
     assert len(got) == len(reference)
-    assert sum(g[:4] == r[:4] for g, r in zip(got, reference)) >= min_prefix, (got, reference)
-    assert sum(g == r for g, r in zip(got, reference)) >= len(reference) - 2, (got, reference)
+    assert sum(g[:4] == r[:4] for g, r in zip(got, reference, strict=True)) >= min_prefix, (got, reference)
+    assert sum(g == r for g, r in zip(got, reference, strict=True)) >= len(reference) - 4, (got, reference)
 
 
 @pytest.fixture(scope="module", params=CODECS)
@@ -49,7 +51,7 @@ def test_chunked_prefill(make_llm, codec_reference):
     back from the compressed cache (the native kernel, in place)."""
     codec, reference = codec_reference
     llm = make_llm(enable_prefix_caching=False, max_num_batched_tokens=7, kv_cache_dtype=codec)
-    assert_matches(tokens(llm.generate(PROMPTS, GREEDY)), reference, min_prefix=14)
+    assert_matches(tokens(llm.generate(PROMPTS, GREEDY)), reference, min_prefix=12)
     assert llm.engine.get_stats().kv_cache_usage == 0.0
 
 

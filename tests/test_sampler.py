@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from threefold.sample.metadata import SamplingMetadata
+from threefold.sample.metadata import SamplingMetadata, TokenCounts
 from threefold.sample.ops import (
     _apply_top_k_top_p_sorted,
     apply_min_p,
@@ -25,15 +25,11 @@ EOS = 3
 
 def build(params, outputs=None, prompts=None, generators=None, vocab=VOCAB, eos=(EOS,)):
     n = len(params)
-    return SamplingMetadata.build(
-        params,
-        prompts if prompts is not None else [[] for _ in range(n)],
-        outputs if outputs is not None else [[] for _ in range(n)],
-        generators or {},
-        list(eos),
-        vocab,
-        "cpu",
-    )
+    prompts = prompts if prompts is not None else [[] for _ in range(n)]
+    outputs = outputs if outputs is not None else [[] for _ in range(n)]
+    counts = [TokenCounts.for_params(p, prompt, output, vocab, "cpu")
+              for p, prompt, output in zip(params, prompts, outputs)]
+    return SamplingMetadata.build(params, [len(o) for o in outputs], counts, generators or {}, list(eos), vocab, "cpu")
 
 
 def random_logits(n, vocab=VOCAB, seed=0, scale=3.0):
@@ -87,7 +83,7 @@ def ref_penalties(row, prompt, output, rep, freq, pres):
 def test_build_picks_none_for_unused_features():
     meta = build([SamplingParams(), SamplingParams(temperature=0.5)])
     for name in ("top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "prompt_token_ids", "max_num_logprobs"):
+                 "frequency_penalty", "output_token_counts", "prompt_token_mask", "max_num_logprobs"):
         assert getattr(meta, name) is None, name
     assert meta.min_tokens_mask == {} and meta.max_top_k == 0
     assert not meta.all_greedy and meta.all_random and not meta.has_penalties
@@ -108,7 +104,8 @@ def test_build_fills_used_features_and_neutralises_greedy_rows():
     assert meta.min_p.tolist() == pytest.approx([0.0, 0.0, 0.1])
     assert meta.repetition_penalty.tolist() == pytest.approx([1.0, 1.2, 1.0])
     assert meta.presence_penalty is None and meta.frequency_penalty is None
-    assert meta.prompt_token_ids.tolist() == [[1, 2], [4, VOCAB], [VOCAB, VOCAB]]
+    assert [set(row.nonzero().flatten().tolist()) for row in meta.prompt_token_mask] == [set(), {4}, set()]
+    assert not meta.output_token_counts.any()
     assert meta.max_num_logprobs == 2
     assert list(meta.generators) == [1]  # a greedy row never consumes its generator
 
@@ -217,6 +214,27 @@ def test_penalties_match_reference(rep, freq, pres):
         expect = ref_penalties(logits[r].tolist(), prompts[r], outputs[r], p.repetition_penalty,
                                p.frequency_penalty, p.presence_penalty)
         torch.testing.assert_close(out[r], torch.tensor(expect))
+
+
+def test_counts_kept_token_by_token_match_a_recount():
+    """The runner keeps TokenCounts across steps (add per sampled token): the penalties
+    they give must equal the reference over the whole lists at every step."""
+    logits = random_logits(2, seed=13)
+    prompts = [[1, 2, 2, 40], [5, 63]]
+    params = [SamplingParams(repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=0.2),
+              SamplingParams(frequency_penalty=-0.5)]
+    counts = [TokenCounts.for_params(p, prompt, [], VOCAB, "cpu") for p, prompt in zip(params, prompts)]
+    outputs = [[], []]
+    for step, new in enumerate([(7, 9), (7, 9), (2, 5), (63, 9), (40, 40)]):
+        for row, token in enumerate(new):
+            outputs[row].append(token)
+            counts[row].add(token)
+        meta = SamplingMetadata.build(params, [len(o) for o in outputs], counts, {}, [EOS], VOCAB, "cpu")
+        out = apply_penalties(logits.clone(), meta)
+        for r, p in enumerate(params):
+            expect = ref_penalties(logits[r].tolist(), prompts[r], outputs[r], p.repetition_penalty,
+                                   p.frequency_penalty, p.presence_penalty)
+            torch.testing.assert_close(out[r], torch.tensor(expect), msg=f"step {step} row {r}")
 
 
 def test_min_tokens_forbids_eos_until_reached():

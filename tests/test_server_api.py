@@ -15,7 +15,6 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from threefold.engine import async_engine as async_engine_module
 from threefold.engine.llm import LLM
 from threefold.engine.llm_engine import EngineArgs, LLMEngine
 from threefold.sample.params import SamplingParams
@@ -314,20 +313,20 @@ def test_disconnect_of_non_streaming_request_aborts(server: ServerThread) -> Non
 def test_a_failing_request_fails_alone(server: ServerThread, client: openai.OpenAI, engine: LLMEngine,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     poison = engine.tokenizer.encode("poisoned request")
-    real_snapshot = async_engine_module._snapshot
+    real_apply = engine.processor.apply
     real_delta = serving_completions._delta_choice
 
-    def snapshot(output):
-        if output.prompt_token_ids == poison:
+    def apply(state, completion, out):
+        if state.prompt_token_ids == poison:
             raise RuntimeError("injected output failure")
-        return real_snapshot(output)
+        return real_apply(state, completion, out)
 
     def delta(state, plan, prompt_index, output, completion, cursor):
         if output.prompt_token_ids == poison[:-1]:
             raise RuntimeError("injected formatting failure")
         return real_delta(state, plan, prompt_index, output, completion, cursor)
 
-    monkeypatch.setattr(async_engine_module, "_snapshot", snapshot)
+    monkeypatch.setattr(engine.processor, "apply", apply)
     monkeypatch.setattr(serving_completions, "_delta_choice", delta)
 
     async def scenario() -> tuple:

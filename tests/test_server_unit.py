@@ -18,7 +18,7 @@ import pytest
 
 from threefold.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from threefold.engine.llm_engine import EngineStats
-from threefold.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from threefold.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from threefold.errors import ContextLengthError, ThreefoldError
 from threefold.sample.params import SamplingParams
 
@@ -73,7 +73,9 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.die = threading.Event()
 
-    def add_request(self, request_id, prompt, params: SamplingParams, priority=0, arrival_time=None) -> None:
+    def add_request(self, request_id, prompt, params: SamplingParams, priority=0, arrival_time=None,
+                    output_kind=RequestOutputKind.DELTA) -> None:
+        assert output_kind is RequestOutputKind.DELTA  # what the async engine asks for
         max_tokens = params.max_tokens or self.max_model_len - len(prompt)
         if len(prompt) + max_tokens > self.max_model_len:
             raise ContextLengthError(f"This model's maximum context length is {self.max_model_len} tokens.",
@@ -92,9 +94,8 @@ class FakeEngine:
             done = len(req.token_ids) >= req.max_tokens
             if done:
                 self.running.remove(req)
-            text = "".join(chr(t) for t in req.token_ids)
-            completion = CompletionOutput(0, text, list(req.token_ids), None, None,
-                                          finish_reason="length" if done else None)
+            completion = CompletionOutput(0, chr(req.token_ids[-1]), req.token_ids[-1:], None, None,
+                                          finish_reason="length" if done else None)  # a delta
             outputs.append(RequestOutput(req.request_id, None, req.prompt_ids, None, [completion], done,
                                          metrics=RequestMetrics(req.arrival_time)))
         return outputs
@@ -195,10 +196,10 @@ def test_engine_rejection_is_a_400_and_leaks_nothing() -> None:
         assert not engine.has_unfinished_requests() and server.state.engine.num_waiting == 0
 
 
-def test_request_stream_keeps_only_the_newest_output() -> None:
+def test_request_stream_merges_deltas_a_slow_consumer_missed() -> None:
     async def scenario() -> list[str]:
         stream = RequestStream("r", asyncio.get_running_loop())
-        for text, done in (("a", False), ("ab", False), ("abc", True)):
+        for text, done in (("a", False), ("b", False), ("c", True)):
             completion = CompletionOutput(0, text, [0] * len(text), None, None, "length" if done else None)
             stream.put(RequestOutput("r", None, [1], None, [completion], done))
         await asyncio.sleep(0)  # let call_soon_threadsafe deliver

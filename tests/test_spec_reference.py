@@ -31,7 +31,7 @@ def speculative_generate(loaded, decoder: SpecDecoder, prompt: list[int], max_to
         hidden = model(torch.tensor(tokens[computed:] + drafts),
                        torch.arange(computed, len(tokens) + len(drafts)), cache)
         logits = model.compute_logits(hidden[num_real - 1 :])  # [k + 1, vocab]
-        result = decoder.verify(["r"], logits, [drafts], [params], [prompt], [tokens[len(prompt):]], {},
+        result = decoder.verify(["r"], logits, [drafts], [params], [len(tokens) - len(prompt)], [None], {},
                                 loaded.eos_token_ids)
         accepted, steps = result.num_accepted[0], steps + 1
         cache.truncate(computed + num_real + accepted)  # rejected drafts' KV goes

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from threefold.sample.metadata import SamplingMetadata
+from threefold.sample.metadata import SamplingMetadata, TokenCounts
 from threefold.sample.params import SamplingParams
 from threefold.sample.sampler import Sampler
 from threefold.spec.verify import verify_chains
@@ -19,7 +19,8 @@ def sequential_greedy(logits_rows, params, prompt, output, drafts):
     """The plain Sampler one row at a time, feeding back what it emitted (the oracle)."""
     emitted = []
     for j in range(len(drafts) + 1):
-        meta = SamplingMetadata.build([params], [prompt], [output + emitted], {}, [0], VOCAB, "cpu")
+        counts = TokenCounts.for_params(params, prompt, output + emitted, VOCAB, "cpu")
+        meta = SamplingMetadata.build([params], [len(output) + len(emitted)], [counts], {}, [0], VOCAB, "cpu")
         token = int(Sampler()(logits_rows[j : j + 1], meta).sampled_token_ids[0])
         emitted.append(token)
         if j == len(drafts) or token != drafts[j]:
@@ -44,7 +45,8 @@ def test_greedy_is_the_sequential_sampler(params):
                 if (trial + j) % 3:
                     logits[row + j, token] += 6
             row += len(draft) + 1
-        result = verify_chains(logits, drafts, [params] * 3, prompts, outputs, {}, [0])
+        counts = [TokenCounts.for_params(params, p, o, VOCAB, "cpu") for p, o in zip(prompts, outputs)]
+        result = verify_chains(logits, drafts, [params] * 3, [len(o) for o in outputs], counts, {}, [0])
         row = 0
         for i, draft in enumerate(drafts):
             expected = sequential_greedy(logits[row : row + len(draft) + 1], params, prompts[i], outputs[i], draft)
@@ -79,15 +81,17 @@ def test_sampling_has_the_samplers_distribution_per_position(params):
     base = torch.randn(3, VOCAB, generator=gen) * 1.5  # rows: root, after draft 0, after draft 1
     draft = [int(base[0].argmax()), int(base[1].argsort()[-2])]  # a likely first draft, a second-best second
     torch.manual_seed(2)
-    result = verify_chains(base.repeat(n, 1), [draft] * n, [params] * n, [[1]] * n, [[]] * n, {}, [0])
+    counts0 = TokenCounts.for_params(params, [1], [], VOCAB, "cpu")
+    result = verify_chains(base.repeat(n, 1), [draft] * n, [params] * n, [0] * n, [counts0] * n, {}, [0])
     first = [t[0] for t in result.token_ids]
     # Oracle: the plain Sampler on row 0, and on row 1 after the first draft was emitted.
-    meta0 = SamplingMetadata.build([params] * n, [[1]] * n, [[]] * n, {}, [0], VOCAB, "cpu")
+    meta0 = SamplingMetadata.build([params] * n, [0] * n, [counts0] * n, {}, [0], VOCAB, "cpu")
     oracle0 = Sampler()(base[:1].repeat(n, 1), meta0).sampled_token_ids.tolist()
     stat, df = two_sample_chi_square(histogram(first), histogram(oracle0))
     assert stat < CHI2_999[df], (histogram(first), histogram(oracle0))
     second = [t[1] for t in result.token_ids if t[0] == draft[0]]
-    meta1 = SamplingMetadata.build([params] * len(second), [[1]] * len(second), [[draft[0]]] * len(second), {}, [0],
+    counts1 = TokenCounts.for_params(params, [1], [draft[0]], VOCAB, "cpu")
+    meta1 = SamplingMetadata.build([params] * len(second), [1] * len(second), [counts1] * len(second), {}, [0],
                                    VOCAB, "cpu")
     oracle1 = Sampler()(base[1:2].repeat(len(second), 1), meta1).sampled_token_ids.tolist()
     stat, df = two_sample_chi_square(histogram(second), histogram(oracle1))
@@ -100,6 +104,6 @@ def test_sampling_has_the_samplers_distribution_per_position(params):
 def test_seeded_rows_repeat():
     params = SamplingParams(temperature=1.0, seed=7)
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3))
-    runs = [verify_chains(logits, [[1, 2]], [params], [[1]], [[]], {0: torch.Generator().manual_seed(7)}, [0])
+    runs = [verify_chains(logits, [[1, 2]], [params], [0], [None], {0: torch.Generator().manual_seed(7)}, [0])
             for _ in range(2)]
     assert runs[0] == runs[1]

@@ -66,6 +66,11 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained hashes of the request's full blocks, extended as tokens arrive."""
+    _all_token_ids: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Kept alongside the two parts so reading the whole sequence never copies it.
+        self._all_token_ids = self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -85,7 +90,8 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then output, without a copy: read it, never mutate it (append_output_token does)."""
+        return self._all_token_ids
 
     @property
     def is_finished(self) -> bool:
@@ -96,6 +102,7 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
 
     def check_stop(self, max_model_len: int) -> bool:
         """Finish the request if its last token ends it; True if it did."""

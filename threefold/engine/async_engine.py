@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
-from threefold.engine.outputs import CompletionOutput, RequestOutput
+from threefold.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind, merge_deltas
 from threefold.errors import ThreefoldError
 from threefold.sample.params import SamplingParams
 
@@ -60,7 +60,8 @@ class StatLogger:
         """A request was accepted by the engine."""
 
     def on_step(self, stats: Any, outputs: Sequence[RequestOutput], now: float) -> None:
-        """After each engine step (outputs may be empty) or command batch; `stats` is EngineStats."""
+        """After each engine step (outputs may be empty) or command batch; `stats` is EngineStats.
+        `outputs` are deltas (RequestOutputKind.DELTA): each carries only that step's news."""
 
     def on_aborted(self, request_ids: Sequence[str], now: float) -> None:
         """Live requests that were aborted (they produce no further outputs)."""
@@ -69,9 +70,11 @@ class StatLogger:
 class RequestStream:
     """One request's outputs, handed from the engine thread to one asyncio consumer.
 
-    Outputs are cumulative, so only the newest undelivered one matters: the
-    stream keeps just that (a slow consumer skips intermediate states, never
-    text). Iterate it with `async for`; iteration ends after the finished output.
+    The engine hands over deltas (RequestOutputKind.DELTA): each carries only
+    what is new, so a step costs the same however long the completion is. A
+    slow consumer gets the deltas that piled up merged into one (never
+    skipping text). Iterate it with `async for`; iteration ends after the
+    finished output.
     """
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
@@ -79,13 +82,14 @@ class RequestStream:
         self.finished = False
         """True once the final output (or an error) has been handed over."""
         self.last_output: RequestOutput | None = None
-        """Engine thread: the newest output handed over (the base of an abort's final output)."""
+        """Engine thread: the newest delta handed over (its completions' finish state bases an abort's output)."""
         self._loop = loop
-        self._pending: RequestOutput | BaseException | None = None
+        self._pending: list[RequestOutput] = []
+        self._error: BaseException | None = None
         self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        """Engine thread: hand over a newer output, or an exception that ends the stream."""
+        """Engine thread: hand over the next delta, or an exception that ends the stream."""
         if isinstance(item, BaseException) or item.finished:
             self.finished = True
         if isinstance(item, RequestOutput):
@@ -93,8 +97,10 @@ class RequestStream:
         self._loop.call_soon_threadsafe(self._deliver, item)
 
     def _deliver(self, item: RequestOutput | BaseException) -> None:
-        if not isinstance(self._pending, BaseException):  # an error is final: never overwrite it
-            self._pending = item
+        if isinstance(item, BaseException):
+            self._error = self._error or item  # an error is final: never overwrite it
+        elif self._error is None:
+            self._pending.append(item)
         self._ready.set()
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -104,11 +110,12 @@ class RequestStream:
         while True:
             await self._ready.wait()
             self._ready.clear()
-            item, self._pending = self._pending, None
-            if isinstance(item, BaseException):
-                raise item
-            if item is None:
+            if self._error is not None:
+                raise self._error
+            if not self._pending:
                 continue
+            items, self._pending = self._pending, []
+            item = merge_deltas(items)
             yield item
             if item.finished:
                 return
@@ -134,16 +141,6 @@ class _Call(NamedTuple):
 
 
 _STOP = object()
-
-
-def _snapshot(output: RequestOutput) -> RequestOutput:
-    """A copy the event loop can read while the engine keeps appending to its own lists."""
-    completions = [
-        dataclasses.replace(c, token_ids=list(c.token_ids),
-                            logprobs=list(c.logprobs) if c.logprobs is not None else None)
-        for c in output.outputs
-    ]
-    return dataclasses.replace(output, outputs=completions, prompt_token_ids=list(output.prompt_token_ids))
 
 
 class AsyncEngine:
@@ -288,8 +285,8 @@ class AsyncEngine:
         with self._lock:
             self._num_queued_adds -= 1
         try:
-            self.engine.add_request(add.request_id, add.prompt, add.params,
-                                    priority=add.priority, arrival_time=add.arrival_time)
+            self.engine.add_request(add.request_id, add.prompt, add.params, priority=add.priority,
+                                    arrival_time=add.arrival_time, output_kind=RequestOutputKind.DELTA)
         except Exception as exc:  # noqa: BLE001 — a rejected request, handed back to its caller
             add.accepted.set_exception(exc)
             return
@@ -309,21 +306,14 @@ class AsyncEngine:
         self._notify("on_aborted", live, time.time())
 
     def _publish(self, outputs: Sequence[RequestOutput]) -> None:
+        """Hand each delta to its stream as it is: the engine built it this step and never touches it again."""
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue  # aborted while the step ran
-            try:
-                snapshot = _snapshot(output)
-            except Exception as exc:  # noqa: BLE001 — fail this request, keep serving the rest
-                logger.exception("processing the output of %s failed", output.request_id)
-                self._streams.pop(output.request_id, None)
-                self.engine.abort_request([output.request_id])
-                stream.put(RequestFailedError(f"Processing request {output.request_id} failed: {exc!r}"))
-                continue
             if output.finished:
                 del self._streams[output.request_id]
-            stream.put(snapshot)
+            stream.put(output)
 
     def _notify(self, method: str, *args: Any) -> None:
         for stat_logger in self.stat_loggers:
@@ -354,10 +344,11 @@ class AsyncEngine:
 
 
 def _aborted_output(request_id: str, last: RequestOutput | None) -> RequestOutput:
-    """The final output of an aborted request: its last state, with unfinished completions marked "abort"."""
+    """The final delta of an aborted request: nothing new, unfinished completions marked "abort"."""
     if last is None:
         return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[], prompt_logprobs=None,
                              outputs=[CompletionOutput(0, "", [], None, None, finish_reason="abort")],
                              finished=True)
-    completions = [c if c.finish_reason else dataclasses.replace(c, finish_reason="abort") for c in last.outputs]
-    return dataclasses.replace(last, outputs=completions, finished=True)
+    completions = [dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                                       finish_reason=c.finish_reason or "abort") for c in last.outputs]
+    return dataclasses.replace(last, outputs=completions, prompt_logprobs=None, finished=True)

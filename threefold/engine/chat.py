@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from threefold.engine.llm_engine import EngineArgs, LLMEngine
+from threefold.engine.outputs import RequestOutputKind
 from threefold.errors import ThreefoldError
 from threefold.sample.params import SamplingParams
 
@@ -33,15 +34,13 @@ def run_chat(args: EngineArgs, params: SamplingParams, session_id: str) -> int:
 
 
 def _stream_reply(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams) -> str:
-    engine.add_request(request_id, prompt, params)
-    printed = 0
-    text = ""
+    engine.add_request(request_id, prompt, params, output_kind=RequestOutputKind.DELTA)
+    pieces: list[str] = []
     sys.stdout.write("bot> ")
     while engine.has_unfinished_requests():
         for output in engine.step():
-            text = output.outputs[0].text
-            sys.stdout.write(text[printed:])
+            pieces.append(output.outputs[0].text)  # only the new text
+            sys.stdout.write(pieces[-1])
             sys.stdout.flush()
-            printed = len(text)
     sys.stdout.write("\n")
-    return text
+    return "".join(pieces)

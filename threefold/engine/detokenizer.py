@@ -58,6 +58,10 @@ class IncrementalDetokenizer:
         return stop
 
     def output_text(self, finished: bool) -> str:
+        return self.text[: self.visible_len(finished)] if self.holdback and not finished else self.text
+
+    def visible_len(self, finished: bool) -> int:
+        """How much of `text` may be shown: all of it once finished, else all but the holdback."""
         if finished or not self.holdback:
-            return self.text
-        return self.text[: max(0, len(self.text) - self.holdback)]
+            return len(self.text)
+        return max(0, len(self.text) - self.holdback)

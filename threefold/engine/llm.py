@@ -9,7 +9,7 @@ import torch
 from tqdm import tqdm
 
 from threefold.engine.llm_engine import EngineArgs, LLMEngine
-from threefold.engine.outputs import RequestOutput
+from threefold.engine.outputs import RequestOutput, RequestOutputKind
 from threefold.sample.params import SamplingParams
 
 PromptType = str | dict
@@ -72,7 +72,9 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params_list)):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, _prompt_input(prompt), p, priority[i] if priority else 0)
+                # Only the finished outputs are read: no per-step copies of growing completions.
+                self.engine.add_request(request_id, _prompt_input(prompt), p, priority[i] if priority else 0,
+                                        output_kind=RequestOutputKind.FINAL_ONLY)
                 request_ids.append(request_id)
         except Exception:
             self.engine.abort_request(request_ids)

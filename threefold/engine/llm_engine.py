@@ -18,7 +18,7 @@ from threefold.core.request import Request
 from threefold.core.scheduler import SchedulerStats
 from threefold.engine.engine_core import EngineCore
 from threefold.engine.output_processor import OutputProcessor, RequestState
-from threefold.engine.outputs import RequestOutput
+from threefold.engine.outputs import RequestOutput, RequestOutputKind
 from threefold.errors import ContextLengthError, ThreefoldError
 from threefold.model.loader import LoadedModel, load_model
 from threefold.sample.params import SamplingParams
@@ -117,14 +117,15 @@ class LLMEngine:
         return params.max_tokens
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         if request_id in self.requests:
             raise ThreefoldError(f"request id {request_id!r} is already in use", param="request_id")
         text, token_ids = self.tokenize_prompt(prompt)
         max_tokens = self.resolve_max_tokens(len(token_ids), params)
         arrival = arrival_time if arrival_time is not None else time.time()
         child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
-        state = self.processor.new_state(request_id, text, token_ids, params, child_ids, arrival)
+        state = self.processor.new_state(request_id, text, token_ids, params, child_ids, arrival, output_kind)
         eos = frozenset(self.eos_token_ids)
         for index, child_id in enumerate(child_ids):
             child_params = params if params.n == 1 else params.clone(
@@ -145,7 +146,9 @@ class LLMEngine:
             self.core.finish_stopped(stopped)
         results = []
         for state in changed.values():
-            results.append(state.to_output())
+            output = state.to_output()
+            if output is not None:
+                results.append(output)
             if state.finished:
                 self._forget(state)
         return results

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from threefold.core.outputs import EngineCoreOutput, TokenLogprobs
 from threefold.engine.detokenizer import IncrementalDetokenizer
-from threefold.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from threefold.engine.outputs import (CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput,
+                                     RequestOutputKind)
 from threefold.sample.params import SamplingParams
 
 
@@ -21,6 +22,26 @@ class CompletionState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_sent_tokens: int = 0
+    """DELTA outputs: tokens (and logprobs) already handed out."""
+    num_sent_chars: int = 0
+    """DELTA outputs: characters of text already handed out."""
+
+    def output(self, kind: RequestOutputKind) -> CompletionOutput:
+        finished = self.finish_reason is not None
+        if kind is not RequestOutputKind.DELTA:
+            return CompletionOutput(self.index, self.detokenizer.output_text(finished), list(self.token_ids),
+                                    self.cumulative_logprob, list(self.logprobs) if self.logprobs is not None
+                                    else None, self.finish_reason, self.stop_reason)
+        # Slices of what is new: O(new tokens), however long the completion is.
+        end = self.detokenizer.visible_len(finished)
+        text = self.detokenizer.text[self.num_sent_chars : end]
+        token_ids = self.token_ids[self.num_sent_tokens :]
+        logprobs = self.logprobs[self.num_sent_tokens :] if self.logprobs is not None else None
+        self.num_sent_chars = max(self.num_sent_chars, end)
+        self.num_sent_tokens = len(self.token_ids)
+        return CompletionOutput(self.index, text, token_ids, self.cumulative_logprob, logprobs,
+                                self.finish_reason, self.stop_reason)
 
 
 @dataclass
@@ -33,23 +54,29 @@ class RequestState:
     params: SamplingParams
     completions: list[CompletionState]
     metrics: RequestMetrics
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.completions)
 
-    def to_output(self) -> RequestOutput:
+    def to_output(self) -> RequestOutput | None:
+        """This step's output, shaped by `output_kind`; None when there is nothing to hand out."""
         finished = self.finished
-        outputs = [CompletionOutput(c.index, c.detokenizer.output_text(c.finish_reason is not None),
-                                    list(c.token_ids), c.cumulative_logprob,
-                                    list(c.logprobs) if c.logprobs is not None else None,
-                                    c.finish_reason, c.stop_reason) for c in self.completions]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs,
+        if self.output_kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        prompt_logprobs = self.prompt_logprobs
+        if self.output_kind is RequestOutputKind.DELTA:
+            prompt_logprobs = None if self.prompt_logprobs_sent else prompt_logprobs
+            self.prompt_logprobs_sent = self.prompt_logprobs_sent or prompt_logprobs is not None
+        outputs = [c.output(self.output_kind) for c in self.completions]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, prompt_logprobs,
                              outputs, finished, self.num_cached_tokens, self.metrics, self.error,
                              num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted_tokens)
 
@@ -62,13 +89,14 @@ class OutputProcessor:
         self.backend = tokenizer.backend
 
     def new_state(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                  params: SamplingParams, child_ids: list[str], arrival_time: float) -> RequestState:
+                  params: SamplingParams, child_ids: list[str], arrival_time: float,
+                  output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> RequestState:
         completions = [CompletionState(i, child_id, IncrementalDetokenizer(self.backend, prompt_token_ids, params),
                                        logprobs=[] if params.logprobs is not None else None,
                                        cumulative_logprob=0.0 if params.logprobs is not None else None)
                        for i, child_id in enumerate(child_ids)]
         return RequestState(request_id, prompt, prompt_token_ids, params, completions,
-                            RequestMetrics(arrival_time))
+                            RequestMetrics(arrival_time), output_kind)
 
     def apply(self, state: RequestState, completion: CompletionState, out: EngineCoreOutput) -> bool:
         """Update one completion; True if a stop string finished it (the core must be told)."""

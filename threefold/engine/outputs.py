@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's RequestOutputKind)."""
+
+    CUMULATIVE = 0
+    """Everything so far: each output copies the whole completion (O(length) per step)."""
+    DELTA = 1
+    """Only what is new since the previous output (streaming; O(new tokens) per step)."""
+    FINAL_ONLY = 2
+    """One output, the whole completion, when the request finishes (offline generate)."""
 
 
 @dataclass
@@ -20,7 +35,12 @@ PositionLogprobs = dict[int, Logprob]
 
 @dataclass
 class CompletionOutput:
-    """One of the `n` completions of a request. Text and ids are cumulative."""
+    """One of the `n` completions of a request.
+
+    Text, ids and logprobs are everything so far, or under RequestOutputKind.DELTA
+    only the new part; cumulative_logprob, finish_reason and stop_reason are
+    always the completion's current state.
+    """
 
     index: int
     text: str
@@ -49,7 +69,9 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after an engine step (cumulative, not a delta)."""
+    """The state of one request after an engine step (cumulative or a delta: see RequestOutputKind).
+
+    A delta carries prompt_logprobs once, in the output where they become known."""
 
     request_id: str
     prompt: str | None
@@ -65,3 +87,27 @@ class RequestOutput:
     """Speculative drafts verified for this request so far (all its completions)."""
     num_accepted_tokens: int = 0
     """Of those, the accepted ones: each saved one target forward."""
+
+
+def merge_deltas(outputs: Sequence[RequestOutput]) -> RequestOutput:
+    """One output that is the concatenation of consecutive DELTA outputs of one request.
+
+    Linear in their total size (the streams' slow consumers and non-streaming
+    callers gather deltas with it, so nothing is copied once per step).
+    """
+    last = outputs[-1]
+    if len(outputs) == 1:
+        return last
+    completions = [_merge_completions([o.outputs[i] for o in outputs]) for i in range(len(last.outputs))]
+    prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+    return dataclasses.replace(last, outputs=completions, prompt_logprobs=prompt_logprobs)
+
+
+def _merge_completions(parts: list[CompletionOutput]) -> CompletionOutput:
+    last = parts[-1]
+    logprobs = None
+    if last.logprobs is not None:
+        logprobs = list(itertools.chain.from_iterable(p.logprobs or () for p in parts))
+    return dataclasses.replace(last, text="".join(p.text for p in parts),
+                               token_ids=list(itertools.chain.from_iterable(p.token_ids for p in parts)),
+                               logprobs=logprobs)

@@ -175,6 +175,16 @@ def cpu_kernels() -> ModuleType | None:
 
 
 @functools.cache
+@functools.cache
+def few_rows_max(kernels: ModuleType | None) -> int:
+    """The row limit for `linear_small` on this build: FEW_ROWS_MAX where it tiles rows (the
+    AVX2 path); 2 on AVX-512/AMX builds, whose path re-reads the weight per row and where
+    oneDNN's bf16 GEMM (AMX) wins from a few rows up (measured on the Xeon, BENCHMARKS.md)."""
+    if kernels is None:
+        return 0
+    return 2 if kernels.build_isa() in ("avx512", "amx") else FEW_ROWS_MAX
+
+
 def has_few_row_linear(kernels: ModuleType | None, x_dtype: torch.dtype = torch.bfloat16,
                        w_dtype: torch.dtype | None = None) -> bool:
     """Whether `kernels.linear_small` runs on this build for x of `x_dtype` and weights of

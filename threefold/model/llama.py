@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from threefold.kernels import FEW_ROWS_MAX, has_few_row_linear
+from threefold.kernels import few_rows_max, has_few_row_linear
 from threefold.model.config import ModelArchConfig
 
 AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -41,7 +41,7 @@ class Linear(nn.Linear):
     1.3-1.5x faster at every batch size on the 2-core Xeon (microbenchmark with
     SmolLM2's 30 layers of weights, cold). fp32 keeps F.linear (MKL).
 
-    With `kernels` set, a call of at most FEW_ROWS_MAX rows (decode at batch 1-2)
+    With `kernels` set, a call of at most `few_rows_max(kernels)` rows (small decode batches)
     takes threefold.kernels' linear_small over `stream_weight` instead: a plain
     prefetched stream over the row-major weight, 1.4x oneDNN's GEMV at one row
     (SmolLM2's 30 layers, cold); oneDNN/MKL win from a few rows up, where each
@@ -53,6 +53,8 @@ class Linear(nn.Linear):
     packed: Tensor | None = None
     stream_weight: Tensor | None = None
     kernels: ModuleType | None = None
+    max_rows: int = 0
+    """Calls of at most this many rows take the few-row kernel."""
 
     def pack(self) -> bool:
         """Prepack a bf16 CPU weight; False (nothing changes) where oneDNN can't take it."""
@@ -73,7 +75,7 @@ class Linear(nn.Linear):
             self.weight.data.copy_(self.stream_weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernels is not None and x.dim() == 2 and x.shape[0] <= FEW_ROWS_MAX:
+        if self.kernels is not None and x.dim() == 2 and x.shape[0] <= self.max_rows:
             out = x.new_empty(x.shape[0], self.out_features)
             if self.kernels.linear_small(out, x, self.stream_weight, self.bias):
                 return out
@@ -319,6 +321,7 @@ class CausalLM(nn.Module):
                 stream = module.stream_weight
                 runs = stream is not None and has_few_row_linear(kernels, self.config.dtype, stream.dtype)
                 module.kernels = kernels if runs else None
+                module.max_rows = few_rows_max(kernels) if runs else 0
 
     def init_rope(self, max_len: int) -> None:
         """Precompute cos/sin for positions [0, max_len) on the weights' device."""

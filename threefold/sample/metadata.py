@@ -2,7 +2,9 @@
 
 Built once per step by the model runner from the rows (requests) that need a
 token. Every optional feature is `None` when no row uses it, so the sampler
-skips its cost entirely in the common case.
+skips its cost entirely in the common case. Nothing here reads a request's
+token lists: penalties use `TokenCounts` that their requests keep up to date
+token by token, so building the metadata costs the same at any context length.
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ class SamplingMetadata:
     """[N] float32; None when every row has 0.0."""
     frequency_penalty: Tensor | None
     """[N] float32; None when every row has 0.0."""
-    prompt_token_ids: Tensor | None
-    """[N, P] long padded with vocab_size; only built when repetition_penalty is set."""
-    output_token_ids: list[list[int]]
-    """Tokens generated so far per row (penalties count these)."""
+    output_token_counts: Tensor | None
+    """[N, V] int32: how often each token occurs in the row's output; None without penalties."""
+    prompt_token_mask: Tensor | None
+    """[N, V] bool: the token occurs in the row's prompt; only built when repetition_penalty is set."""
     min_tokens_mask: dict[int, list[int]]
     """row -> token ids forced to -inf because the row has not reached min_tokens."""
     generators: dict[int, torch.Generator]
@@ -65,18 +67,22 @@ class SamplingMetadata:
     def build(
         cls,
         params: list[SamplingParams],
-        prompt_token_ids: list[list[int]],
-        output_token_ids: list[list[int]],
+        num_output_tokens: list[int],
+        token_counts: list[TokenCounts | None],
         generators: dict[int, torch.Generator],
         eos_token_ids: list[int],
         vocab_size: int,
         device: torch.device | str,
     ) -> SamplingMetadata:
+        """token_counts: per row, its TokenCounts; required on rows that have a penalty."""
         greedy = [p.greedy for p in params]
         # Filters only matter on random rows; neutral values on greedy rows let
         # an all-greedy batch with top_k set skip the filter altogether.
         top_k = [0 if g or not 0 < p.top_k < vocab_size else p.top_k for p, g in zip(params, greedy)]
         repetition = _optional([p.repetition_penalty for p in params], 1.0, torch.float32, device)
+        presence = _optional([p.presence_penalty for p in params], 0.0, torch.float32, device)
+        frequency = _optional([p.frequency_penalty for p in params], 0.0, torch.float32, device)
+        any_penalty = any(t is not None for t in (repetition, presence, frequency))
         return cls(
             temperature=torch.tensor(
                 [0.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32, device=device
@@ -88,15 +94,61 @@ class SamplingMetadata:
             top_p=_optional([1.0 if g else p.top_p for p, g in zip(params, greedy)], 1.0, torch.float32, device),
             min_p=_optional([0.0 if g else p.min_p for p, g in zip(params, greedy)], 0.0, torch.float32, device),
             repetition_penalty=repetition,
-            presence_penalty=_optional([p.presence_penalty for p in params], 0.0, torch.float32, device),
-            frequency_penalty=_optional([p.frequency_penalty for p in params], 0.0, torch.float32, device),
-            prompt_token_ids=None if repetition is None else pad_token_ids(prompt_token_ids, vocab_size, device),
-            output_token_ids=output_token_ids,
-            min_tokens_mask=_min_tokens_mask(params, output_token_ids, eos_token_ids, vocab_size),
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            output_token_counts=_stack_counts(token_counts, vocab_size, device) if any_penalty else None,
+            prompt_token_mask=None if repetition is None else _stack_prompt_masks(token_counts, vocab_size, device),
+            min_tokens_mask=_min_tokens_mask(params, num_output_tokens, eos_token_ids, vocab_size),
             generators={row: g for row, g in generators.items() if not greedy[row]},
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
             vocab_size=vocab_size,
         )
+
+
+class TokenCounts:
+    """One request's token statistics for penalties, kept across steps.
+
+    Built once from the request's tokens (O(context), once per request), then
+    `add` costs O(new tokens): no step ever recounts a sequence.
+    """
+
+    def __init__(self, prompt_token_ids: list[int], output_token_ids: list[int], vocab_size: int,
+                 device: torch.device | str) -> None:
+        self.vocab_size = vocab_size
+        self.output_counts = _count(output_token_ids, vocab_size, device)  # [V] int32
+        self.prompt_mask = _count(prompt_token_ids, vocab_size, device) > 0  # [V] bool
+
+    @classmethod
+    def for_params(cls, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int],
+                   vocab_size: int, device: torch.device | str) -> TokenCounts | None:
+        """Counts for a request whose params have a penalty; None (nothing kept) otherwise."""
+        if params.repetition_penalty == 1.0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0:
+            return None
+        return cls(prompt_token_ids, output_token_ids, vocab_size, device)
+
+    def add(self, token_id: int) -> None:
+        if 0 <= token_id < self.vocab_size:
+            self.output_counts[token_id] += 1
+
+
+def _count(token_ids: list[int], vocab_size: int, device: torch.device | str) -> Tensor:
+    """[V] int32 occurrences of each id; ids outside the vocabulary are dropped."""
+    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+    ids = ids[(ids >= 0) & (ids < vocab_size)]
+    return torch.bincount(ids, minlength=vocab_size).to(torch.int32)
+
+
+def _stack_counts(token_counts: list[TokenCounts | None], vocab_size: int, device: torch.device | str) -> Tensor:
+    """[N, V] int32; rows without counts (no penalty) are zero, which leaves their logits alone."""
+    zeros = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+    return torch.stack([zeros if c is None else c.output_counts for c in token_counts])
+
+
+def _stack_prompt_masks(token_counts: list[TokenCounts | None], vocab_size: int,
+                        device: torch.device | str) -> Tensor:
+    """[N, V] bool; rows without a repetition penalty see an empty prompt."""
+    empty = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    return torch.stack([empty if c is None else c.prompt_mask for c in token_counts])
 
 
 def _optional(values: list, neutral: float, dtype: torch.dtype, device: torch.device | str) -> Tensor | None:
@@ -106,20 +158,13 @@ def _optional(values: list, neutral: float, dtype: torch.dtype, device: torch.de
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def pad_token_ids(token_ids: list[list[int]], pad_id: int, device: torch.device | str) -> Tensor:
-    """[N, longest] long, right-padded with `pad_id` (vocab_size: one past the last real id)."""
-    longest = max(map(len, token_ids), default=0)
-    padded = [ids + [pad_id] * (longest - len(ids)) for ids in token_ids]
-    return torch.tensor(padded, dtype=torch.long, device=device).view(len(token_ids), longest)
-
-
 def _min_tokens_mask(
-    params: list[SamplingParams], output_token_ids: list[list[int]], eos_token_ids: list[int], vocab_size: int
+    params: list[SamplingParams], num_output_tokens: list[int], eos_token_ids: list[int], vocab_size: int
 ) -> dict[int, list[int]]:
     """Rows still short of min_tokens may not emit a token that would stop them (as in vLLM)."""
     mask: dict[int, list[int]] = {}
-    for row, (p, output) in enumerate(zip(params, output_token_ids)):
-        if len(output) >= p.min_tokens:
+    for row, (p, num_output) in enumerate(zip(params, num_output_tokens)):
+        if num_output >= p.min_tokens:
             continue
         stop_ids = set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(eos_token_ids))
         stop_ids = sorted(t for t in stop_ids if t < vocab_size)

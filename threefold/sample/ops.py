@@ -2,7 +2,7 @@
 
 Every function works on all rows at once with tensor ops; the only Python
 loops are over rows that carry their own state (seeded generators,
-min_tokens masks, ragged output lists). Functions named `apply_*` may edit
+min_tokens masks). Functions named `apply_*` may edit
 `logits` in place and return the result.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from threefold.sample.metadata import SamplingMetadata, pad_token_ids
+from threefold.sample.metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
 
@@ -25,30 +25,14 @@ def apply_min_tokens(logits: Tensor, mask: dict[int, list[int]]) -> Tensor:
     return logits
 
 
-def output_token_counts(output_token_ids: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:
-    """[N, V] int32: how often each token occurs in each row's output so far."""
-    padded = pad_token_ids(output_token_ids, vocab_size, device)  # [N, L]
-    counts = torch.zeros(len(output_token_ids), vocab_size + 1, dtype=torch.int32, device=device)
-    # Padding lands in the extra column vocab_size, which is then dropped.
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.int32))
-    return counts[:, :vocab_size]
-
-
-def prompt_token_mask(prompt_token_ids: Tensor, vocab_size: int) -> Tensor:
-    """[N, V] bool: the token occurs in the row's prompt (padding id vocab_size dropped)."""
-    mask = torch.zeros(prompt_token_ids.shape[0], vocab_size + 1, dtype=torch.bool, device=prompt_token_ids.device)
-    mask.scatter_(1, prompt_token_ids, True)
-    return mask[:, :vocab_size]
-
-
 def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     """Repetition (prompt + output, HF/CTRL rule), then frequency and presence (output only, OpenAI rule)."""
     if not meta.has_penalties:
         return logits
-    counts = output_token_counts(meta.output_token_ids, meta.vocab_size, logits.device)  # [N, V]
+    counts = meta.output_token_counts  # [N, V] int32, kept up to date by each request
     in_output = counts > 0
     if meta.repetition_penalty is not None:
-        seen = in_output | prompt_token_mask(meta.prompt_token_ids, meta.vocab_size)
+        seen = in_output | meta.prompt_token_mask
         penalty = meta.repetition_penalty[:, None]
         # Dividing a positive logit and multiplying a negative one both make the token less likely.
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)

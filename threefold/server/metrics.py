@@ -139,8 +139,7 @@ class ServerMetrics(StatLogger):
         self._last_per_pos = list(per_pos)
 
     def _record_output(self, tracked: _Tracked, output: RequestOutput, now: float) -> None:
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
-        new_tokens = num_tokens - tracked.num_tokens
+        new_tokens = sum(len(c.token_ids) for c in output.outputs)  # outputs are deltas
         if new_tokens > 0:
             if tracked.last_token_time is None:
                 self.prompt_tokens.inc(len(output.prompt_token_ids))
@@ -149,7 +148,8 @@ class ServerMetrics(StatLogger):
             else:
                 self.itl.observe(max(0.0, now - tracked.last_token_time))
             self.generation_tokens.inc(new_tokens)
-            tracked.num_tokens, tracked.last_token_time = num_tokens, now
+            tracked.num_tokens += new_tokens
+            tracked.last_token_time = now
         if output.finished:
             del self._tracked[output.request_id]
             reason = "error" if output.error else (output.outputs[0].finish_reason or "stop")

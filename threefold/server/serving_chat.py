@@ -106,22 +106,21 @@ def _chunk(state: ServerState, plan: _Plan, choices: list[dict], include_usage: 
 
 @dataclass
 class _Cursor:
-    num_chars: int = 0
     num_tokens: int = 0
+    """Tokens generated so far (the stream carries deltas)."""
     finished: bool = False
 
 
 def _delta_choice(state: ServerState, plan: _Plan, completion: CompletionOutput, cursor: _Cursor) -> dict | None:
-    new_text = completion.text[cursor.num_chars:]
-    new_ids = completion.token_ids[cursor.num_tokens:]
+    """The chunk for one delta of a completion, or None when it has nothing to show."""
+    new_text, new_ids = completion.text, completion.token_ids
+    cursor.num_tokens += len(new_ids)
     finish = completion.finish_reason
     if not (new_text or finish or (new_ids and plan.top_logprobs is not None)):
         return None  # text held back (a possible stop-string prefix): nothing to send yet
-    positions = completion.logprobs[cursor.num_tokens:] if completion.logprobs is not None else None
     choice = {"index": completion.index, "delta": {"content": new_text} if new_text else {},
-              "logprobs": _logprobs(state, plan, new_ids, positions), "finish_reason": finish,
+              "logprobs": _logprobs(state, plan, new_ids, completion.logprobs), "finish_reason": finish,
               "stop_reason": completion.stop_reason if finish else None}
-    cursor.num_chars, cursor.num_tokens = len(completion.text), len(completion.token_ids)
     cursor.finished = finish is not None
     return choice
 
@@ -144,6 +143,6 @@ async def _stream(state: ServerState, plan: _Plan, stream: RequestStream, n: int
         final = output
     if include_usage and final is not None:
         chunk = _chunk(state, plan, [], False)
-        num_generated = sum(len(c.token_ids) for c in final.outputs)
+        num_generated = sum(c.num_tokens for c in cursors)
         chunk["usage"] = usage([len(plan.prompt_ids)], num_generated, final.num_cached_tokens)
         yield sse(chunk)

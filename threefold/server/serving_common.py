@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from threefold.engine.async_engine import AsyncEngine, RequestFailedError, RequestStream
-from threefold.engine.outputs import RequestOutput
+from threefold.engine.outputs import RequestOutput, merge_deltas
 from threefold.errors import ModelNotFoundError, ThreefoldError
 from threefold.sample.params import SamplingParams
 from threefold.server.config import ServerConfig
@@ -115,11 +115,12 @@ def raise_if_failed(output: RequestOutput) -> RequestOutput:
 
 
 async def final_output(stream: RequestStream) -> RequestOutput:
-    last = None
+    """The whole output of a request, gathered from its deltas."""
+    deltas = []
     async for output in stream:
-        last = raise_if_failed(output)
-    assert last is not None and last.finished
-    return last
+        deltas.append(raise_if_failed(output))
+    assert deltas and deltas[-1].finished
+    return merge_deltas(deltas)
 
 
 async def unless_disconnected(raw_request: Request, work: Awaitable[T]) -> T:

@@ -117,8 +117,8 @@ def _response(state: ServerState, plan: _Plan, finals: list[RequestOutput]) -> d
 class _ChoiceCursor:
     """How much of one choice the client has already been sent."""
 
-    num_chars: int = 0
     num_tokens: int = 0
+    """Tokens generated so far (the stream carries deltas)."""
     finished: bool = False
     started: bool = False
     logprobs: LegacyLogprobs | None = None
@@ -144,16 +144,14 @@ def _delta_choice(state: ServerState, plan: _Plan, prompt_index: int, output: Re
         if cursor.logprobs is not None:
             logprobs = cursor.logprobs.slice(prompt.token_ids, output.prompt_logprobs)
     cursor.started = True
-    new_text = text[cursor.num_chars:]
-    new_ids = token_ids[cursor.num_tokens:]
+    new_text, new_ids = text, token_ids
+    cursor.num_tokens += len(new_ids)
     finish = completion.finish_reason if not plan.drop_generated else ("length" if completion.finished() else None)
     if not (prefix or new_text or finish or (new_ids and cursor.logprobs is not None)):
         return None  # text held back (a possible stop-string prefix): nothing to send yet
     if cursor.logprobs is not None:
-        new_positions = positions[cursor.num_tokens:] if positions is not None else None
-        generated = cursor.logprobs.slice(new_ids, new_positions)
+        generated = cursor.logprobs.slice(new_ids, positions)
         logprobs = concat_legacy(logprobs, generated) if logprobs else generated
-    cursor.num_chars, cursor.num_tokens = len(text), len(token_ids)
     cursor.finished = finish is not None
     return {"index": prompt_index * plan.n + completion.index, "text": prefix + new_text, "logprobs": logprobs,
             "finish_reason": finish, "stop_reason": None if finish is None or plan.drop_generated

@@ -130,9 +130,9 @@ class SpecDecoder:
         return [min(k, c.max_drafts) for k, c in zip(chosen, eligible)]
 
     def verify(self, request_ids: list[str], logits: Tensor, drafts: list[list[int]], params: list[SamplingParams],
-               prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
-               generators: dict[int, torch.Generator], eos_token_ids: list[int]) -> VerifyResult:
-        result = verify_chains(logits, drafts, params, prompt_token_ids, output_token_ids, generators, eos_token_ids)
+               num_output_tokens: list[int], token_counts: list, generators: dict[int, torch.Generator],
+               eos_token_ids: list[int]) -> VerifyResult:
+        result = verify_chains(logits, drafts, params, num_output_tokens, token_counts, generators, eos_token_ids)
         for rid, draft, accepted in zip(request_ids, drafts, result.num_accepted):
             self.stats.observe(len(draft), accepted)
             self.accepted_per_request[rid] = self.accepted_per_request.get(rid, 0) + accepted

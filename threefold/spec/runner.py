@@ -61,11 +61,14 @@ class SpecRunner:
         logits = self.model.compute_logits(hidden[rows])  # [sum(k + 1), vocab] float32
         generators = {n: s.generator for n, s in enumerate(states) if s.generator is not None}
         result = self.decoder.verify([s.request_id for s in states], logits, drafts, [s.params for s in states],
-                                     [s.token_ids[: s.num_prompt_tokens] for s in states],
-                                     [s.output_token_ids for s in states], generators, self.eos_token_ids)
+                                     [s.num_output_tokens for s in states], [s.penalties for s in states],
+                                     generators, self.eos_token_ids)
         offset = 0
         for state, draft, emitted, accepted in zip(states, drafts, result.token_ids, result.num_accepted):
             state.token_ids.extend(emitted)
+            if state.penalties is not None:
+                for token_id in emitted:
+                    state.penalties.add(token_id)
             output.sampled_token_ids[state.request_id] = emitted
             output.num_accepted_tokens[state.request_id] = accepted
             if state.params.logprobs is not None:
@@ -85,7 +88,7 @@ class SpecRunner:
         candidates = []
         for state in batch.sampling_states:
             rid = state.request_id
-            room = min((state.params.max_tokens or self.max_model_len) - len(state.output_token_ids),
+            room = min((state.params.max_tokens or self.max_model_len) - state.num_output_tokens,
                        self.max_model_len - len(state.token_ids)) - 1
             start, rows = self.pending_hidden.pop(rid, (0, [])) if needs_hidden else (0, [])
             candidates.append(Candidate(rid, state.token_ids, state.params, room,

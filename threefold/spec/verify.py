@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from threefold.sample.metadata import SamplingMetadata
+from threefold.sample.metadata import SamplingMetadata, TokenCounts
 from threefold.sample.ops import apply_min_p, apply_min_tokens, apply_penalties, apply_temperature, apply_top_k_top_p
 from threefold.sample.params import SamplingParams
 from threefold.sample.rejection import rejection_sample
@@ -44,24 +44,36 @@ def processed_probs(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     return apply_top_k_top_p(logits, meta.top_k, meta.max_top_k, meta.top_p).softmax(-1)
 
 
-def row_metadata(drafts: list[list[int]], params: list[SamplingParams], prompt_token_ids: list[list[int]],
-                 output_token_ids: list[list[int]], eos_token_ids: list[int], vocab_size: int,
+def row_metadata(drafts: list[list[int]], params: list[SamplingParams], num_output_tokens: list[int],
+                 token_counts: list[TokenCounts | None], eos_token_ids: list[int], vocab_size: int,
                  device: torch.device | str) -> SamplingMetadata:
-    """SamplingMetadata over every verify row: row j of a request has emitted drafts[:j] too."""
-    row_params, row_prompts, row_outputs = [], [], []
-    for draft, p, prompt, output in zip(drafts, params, prompt_token_ids, output_token_ids):
+    """SamplingMetadata over every verify row: row j of a request has emitted drafts[:j] too
+    (min_tokens counts them, penalties see them: a copy of the counts per row, penalty rows only)."""
+    row_params, row_outputs, row_counts = [], [], []
+    for draft, p, num_output, counts in zip(drafts, params, num_output_tokens, token_counts):
         for j in range(len(draft) + 1):
             row_params.append(p)
-            row_prompts.append(prompt)
-            row_outputs.append(output + draft[:j])
-    return SamplingMetadata.build(row_params, row_prompts, row_outputs, {}, eos_token_ids, vocab_size, device)
+            row_outputs.append(num_output + j)
+            row_counts.append(counts if counts is None or j == 0 else _with_tokens(counts, draft[:j]))
+    return SamplingMetadata.build(row_params, row_outputs, row_counts, {}, eos_token_ids, vocab_size, device)
+
+
+def _with_tokens(counts: TokenCounts, token_ids: list[int]) -> TokenCounts:
+    """A copy of `counts` that has also seen token_ids (the request's own counts stay as they are)."""
+    copy = TokenCounts.__new__(TokenCounts)
+    copy.vocab_size, copy.prompt_mask, copy.output_counts = counts.vocab_size, counts.prompt_mask, \
+        counts.output_counts.clone()
+    for token_id in token_ids:
+        copy.add(token_id)
+    return copy
 
 
 def verify_chains(logits: Tensor, drafts: list[list[int]], params: list[SamplingParams],
-                  prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
+                  num_output_tokens: list[int], token_counts: list[TokenCounts | None],
                   generators: dict[int, torch.Generator], eos_token_ids: list[int]) -> VerifyResult:
-    """logits [sum(k_i + 1), V]; generators: request index -> its seeded generator."""
-    meta = row_metadata(drafts, params, prompt_token_ids, output_token_ids, eos_token_ids, logits.shape[-1],
+    """logits [sum(k_i + 1), V]; token_counts: each request's penalty counts (None without a
+    penalty); generators: request index -> its seeded generator."""
+    meta = row_metadata(drafts, params, num_output_tokens, token_counts, eos_token_ids, logits.shape[-1],
                         logits.device)
     probs = processed_probs(logits, meta)  # [R, V]
     offsets = [0]

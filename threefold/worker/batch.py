@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from threefold.core.block_pool import NULL_BLOCK_ID
+from threefold.core.outputs import NewRequestData, SchedulerOutput
+from threefold.sample.metadata import TokenCounts
 from threefold.sample.params import SamplingParams
 from threefold.worker.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from threefold.worker.block_table import BlockTable
 
 
 @dataclass
@@ -19,15 +21,60 @@ class CachedRequestState:
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
-    block_ids: list[int]
+    row: int
+    """This request's row in the runner's BlockTable."""
     num_computed_tokens: int
     generator: torch.Generator | None
+    penalties: TokenCounts | None = None
+    """Only for requests with a penalty: counts kept up to date token by token."""
     prompt_logprobs: list = field(default_factory=list)
     """Accumulated over prefill chunks; handed back once the prompt is done."""
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class RequestStates:
+    """The runner's copies of the requests and their BlockTable rows, updated from each
+    SchedulerOutput. An update costs O(new requests' tokens + new blocks), never O(context)."""
+
+    def __init__(self, block_size: int, vocab_size: int, device: torch.device) -> None:
+        self.states: dict[str, CachedRequestState] = {}
+        self.block_table = BlockTable(block_size, device)
+        self.vocab_size = vocab_size
+        self.device = device
+
+    def update(self, sched: SchedulerOutput) -> None:
+        for request_id in sched.finished_req_ids:
+            state = self.states.pop(request_id, None)
+            if state is not None:
+                self.block_table.free_row(state.row)
+        for new in sched.scheduled_new_reqs:
+            self._add(new)
+        for cached in sched.scheduled_cached_reqs:
+            state = self.states[cached.request_id]
+            state.num_computed_tokens = cached.num_computed_tokens
+            if cached.resumed_from_preemption:
+                self.block_table.replace(state.row, cached.new_block_ids)
+            else:
+                self.block_table.append(state.row, cached.new_block_ids)
+
+    def _add(self, new: NewRequestData) -> None:
+        old = self.states.get(new.request_id)
+        token_ids = list(new.prompt_token_ids)
+        if old is not None:
+            # Re-sent after preemption: its "prompt" now includes the outputs so far. Keep
+            # the original prompt length, the generator and the penalty counts.
+            old.token_ids, old.num_computed_tokens = token_ids, new.num_computed_tokens
+            self.block_table.replace(old.row, new.block_ids)
+            return
+        params = new.sampling_params
+        generator = torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None else None
+        counts = TokenCounts.for_params(params, token_ids, [], self.vocab_size, self.device)
+        self.states[new.request_id] = CachedRequestState(
+            new.request_id, token_ids, len(token_ids), params, self.block_table.add_row(new.block_ids),
+            new.num_computed_tokens, generator, counts)
 
 
 @dataclass
@@ -46,16 +93,17 @@ class StepBatch:
 
 
 def build_batch(states: list[CachedRequestState], num_scheduled: dict[str, int],
-                spec_tokens: dict[str, list[int]], block_size: int, device: torch.device,
+                spec_tokens: dict[str, list[int]], block_table: BlockTable, device: torch.device,
                 sliding_window: int | None = None, native_decode: bool = False) -> StepBatch:
     """native_decode: the decodes go to the native kernel as one group with no mask;
-    otherwise they are bucketed by length for the torch path."""
+    otherwise they are bucketed by length for the torch path.
+
+    Python work is O(requests + scheduled tokens), never O(context): block tables
+    and slots come from the persistent `block_table`."""
     # Decodes (with their drafts: a verify is a multi-query decode) first, shortest context first
     # (so length buckets are contiguous), then prefill chunks.
     order = sorted(states, key=lambda s: (not _is_decode(s, num_scheduled[s.request_id]), s.num_computed_tokens))
     input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
     starts, lens, sample_rows, sampling = [], [], [], []
     for state in order:
         start, n = state.num_computed_tokens, num_scheduled[state.request_id]
@@ -64,13 +112,21 @@ def build_batch(states: list[CachedRequestState], num_scheduled: dict[str, int],
         input_ids.extend(state.token_ids[start : start + n])  # no copy of the whole sequence per step
         if start + n > len(state.token_ids):  # speculative drafts ride after the known tokens
             input_ids.extend(spec_tokens[state.request_id][: start + n - len(state.token_ids)])
-        positions.extend(range(start, start + n))
-        slots.extend(state.block_ids[p // block_size] * block_size + p % block_size for p in range(start, start + n))
         if start + n >= len(state.token_ids):
             sample_rows.append(len(input_ids) - 1)
             sampling.append(state)
-    attn = _attention_metadata(order, starts, lens, slots, block_size, device, sliding_window, native_decode)
-    return StepBatch(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), attn,
+    # Every token's position and block-table row, in one vector pass.
+    rows = torch.tensor([s.row for s in order], dtype=torch.long)
+    if len(input_ids) == len(order):  # decodes only: one token per request at its context length
+        token_rows, positions = rows, torch.tensor([s.num_computed_tokens for s in order], dtype=torch.long)
+    else:
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        offsets = torch.tensor([s.num_computed_tokens - q for s, q in zip(order, starts)], dtype=torch.long)
+        token_rows = rows.repeat_interleave(lens_t)
+        positions = torch.arange(len(input_ids), dtype=torch.long) + offsets.repeat_interleave(lens_t)  # [T]
+    slots = block_table.slot_mapping(token_rows, positions)
+    attn = _attention_metadata(order, starts, lens, rows, slots, block_table, device, sliding_window, native_decode)
+    return StepBatch(torch.tensor(input_ids, device=device), positions.to(device), attn,
                      order, starts, lens, sample_rows, sampling)
 
 
@@ -79,26 +135,30 @@ def _is_decode(state: CachedRequestState, num_scheduled: int) -> bool:
     return num_scheduled == 1 or state.num_computed_tokens + 1 == len(state.token_ids)
 
 
-def _attention_metadata(order: list[CachedRequestState], starts: list[int], lens: list[int],
-                        slots: list[int], block_size: int, device: torch.device,
+def _attention_metadata(order: list[CachedRequestState], starts: list[int], lens: list[int], rows: torch.Tensor,
+                        slots: torch.Tensor, block_table: BlockTable, device: torch.device,
                         sliding_window: int | None, native_decode: bool) -> AttentionMetadata:
+    block_size = block_table.block_size
     num_decodes = sum(1 for state, n in zip(order, lens) if _is_decode(state, n))
-    # Every decode query is one row: a verify's k+1 queries share the block table and see
-    # one more key each (its own draft's, written before attention), as gpt-fast scores [last, *drafts].
-    rows = [(state.block_ids, state.num_computed_tokens + j) for state, n in zip(order[:num_decodes], lens)
-            for j in range(n)]
+    # Every decode query is one row: a verify's k+1 queries share the request's block-table row
+    # and see one more key each (its draft's, written before attention), as gpt-fast scores
+    # [last, *drafts] in one call.
+    query_rows = rows[:num_decodes].repeat_interleave(torch.tensor(lens[:num_decodes], dtype=torch.long))
+    contexts = [state.num_computed_tokens + j for state, n in zip(order[:num_decodes], lens) for j in range(n)]
     if native_decode:
-        buckets = [(0, len(rows))] if rows else []
+        buckets = [(0, len(contexts))] if contexts else []
     else:
-        buckets = _length_buckets([context for _, context in rows], block_size)
-    groups = [_decode_group(rows[lo:hi], lo, block_size, device, sliding_window, with_mask=not native_decode)
+        buckets = _length_buckets(contexts, block_size)
+    groups = [_decode_group(contexts[lo:hi], query_rows[lo:hi], lo, block_table, device, sliding_window,
+                            with_mask=not native_decode)
               for lo, hi in buckets]
     prefills = []
-    for state, start, n in zip(order[num_decodes:], starts[num_decodes:], lens[num_decodes:]):
+    for i in range(num_decodes, len(order)):
+        state, start, n = order[i], starts[i], lens[i]
         num_blocks = -(-(state.num_computed_tokens + n) // block_size)
-        prefills.append(PrefillChunk(start, n, state.num_computed_tokens,
-                                     torch.tensor([state.block_ids[:num_blocks]], device=device)))
-    return AttentionMetadata(torch.tensor(slots, device=device), groups, prefills, sliding_window)
+        table = block_table.rows(rows[i : i + 1], num_blocks)  # [1, num_blocks]
+        prefills.append(PrefillChunk(start, n, state.num_computed_tokens, table))
+    return AttentionMetadata(slots, groups, prefills, sliding_window)
 
 
 # A bucket's longest context is at most this many times its shortest: padding
@@ -109,7 +169,7 @@ _BUCKET_GROWTH = 1.5
 
 
 def _length_buckets(contexts: list[int], block_size: int) -> list[tuple[int, int]]:
-    """[lo, hi) index ranges of decode rows (sorted by context) whose block counts are within a factor."""
+    """[lo, hi) index ranges of decode queries (sorted by context) whose block counts are within a factor."""
     buckets, lo = [], 0
     for i, context in enumerate(contexts):
         blocks = context // block_size + 1
@@ -122,19 +182,19 @@ def _length_buckets(contexts: list[int], block_size: int) -> list[tuple[int, int
     return buckets
 
 
-def _decode_group(rows: list[tuple[list[int], int]], first_token: int, block_size: int, device: torch.device,
-                  sliding_window: int | None, with_mask: bool) -> DecodeGroup:
-    """rows: (block_ids, keys before the query) per decode query."""
-    seq_lens = [context + 1 for _, context in rows]
+def _decode_group(contexts: list[int], rows: torch.Tensor, first_token: int, block_table: BlockTable,
+                  device: torch.device, sliding_window: int | None, with_mask: bool) -> DecodeGroup:
+    """contexts: keys before each query; rows: each query's block-table row."""
+    block_size = block_table.block_size
+    seq_lens = [context + 1 for context in contexts]
     max_blocks = -(-max(seq_lens) // block_size)
-    table = [ids[:max_blocks] + [NULL_BLOCK_ID] * (max_blocks - len(ids[:max_blocks])) for ids, _ in rows]
-    block_table = torch.tensor(table, dtype=torch.long, device=device)
+    table = block_table.rows(rows, max_blocks)  # [num_queries, max_blocks]
     lengths = torch.tensor(seq_lens, dtype=torch.long, device=device)
     if not with_mask:
-        return DecodeGroup(first_token, len(rows), block_table, lengths, None)
+        return DecodeGroup(first_token, len(contexts), table, lengths, None)
     key_pos = torch.arange(max_blocks * block_size, device=device).unsqueeze(0)
     visible = key_pos < lengths.unsqueeze(1)
     if sliding_window is not None:
         visible &= key_pos >= lengths.unsqueeze(1) - sliding_window
     mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))[:, None, None, :]
-    return DecodeGroup(first_token, len(rows), block_table, lengths, mask)
+    return DecodeGroup(first_token, len(contexts), table, lengths, mask)

@@ -21,7 +21,7 @@ from threefold.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
 from threefold.spec.config import SpeculativeConfig
 from threefold.spec.runner import SpecRunner
 from threefold.worker.attention import PagedAttention
-from threefold.worker.batch import CachedRequestState, StepBatch, build_batch
+from threefold.worker.batch import RequestStates, StepBatch, build_batch
 
 
 class ModelRunner:
@@ -35,7 +35,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.codec = make_codec(kv_cache_dtype, self.config.num_kv_heads, self.config.head_dim, self.config.dtype)
         self.eos_token_ids = list(loaded.eos_token_ids)
-        self.states: dict[str, CachedRequestState] = {}
+        self.requests = RequestStates(block_size, self.config.vocab_size, self.device)
         self.kv_cache: PagedKVCache | None = None
         self.kernels = cpu_kernels() if self.device.type == "cpu" else None
         """The native decode-attention kernel, or None: the plain torch path (same results)."""
@@ -53,36 +53,17 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = PagedKVCache(self.codec, self.config.num_layers, num_blocks, self.block_size, self.device)
 
-    # ---- per-step state ----------------------------------------------------
-    def _update_states(self, sched: SchedulerOutput) -> None:
-        for request_id in sched.finished_req_ids:
-            self.states.pop(request_id, None)
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.requests.update(sched)
         if self.spec is not None:
             for request_id in sched.finished_req_ids | sched.preempted_req_ids:
                 self.spec.remove(request_id)
-        for new in sched.scheduled_new_reqs:
-            seed = new.sampling_params.seed
-            generator = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
-            old = self.states.get(new.request_id)
-            self.states[new.request_id] = CachedRequestState(
-                new.request_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.sampling_params,
-                list(new.block_ids), new.num_computed_tokens, old.generator if old else generator)
-        for cached in sched.scheduled_cached_reqs:
-            state = self.states[cached.request_id]
-            state.num_computed_tokens = cached.num_computed_tokens
-            if cached.resumed_from_preemption:
-                state.block_ids = list(cached.new_block_ids)
-            else:
-                state.block_ids.extend(cached.new_block_ids)
-
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput({})
-        states = [self.states[rid] for rid in sched.num_scheduled_tokens]
+        states = [self.requests.states[rid] for rid in sched.num_scheduled_tokens]
         batch = build_batch(states, sched.num_scheduled_tokens, sched.scheduled_spec_token_ids,
-                            self.block_size, self.device, self.config.sliding_window,
+                            self.requests.block_table, self.device, self.config.sliding_window,
                             native_decode=self.kernels is not None)
         attention = PagedAttention(self.kv_cache, batch.attn, self.config.head_dim ** -0.5, self.config.dtype,
                                    self.kernels)
@@ -108,14 +89,15 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.sample_rows], float32=False)
         states = batch.sampling_states
         meta = SamplingMetadata.build(
-            [s.params for s in states], [s.token_ids[: s.num_prompt_tokens] for s in states],
-            [s.output_token_ids for s in states],
+            [s.params for s in states], [s.num_output_tokens for s in states], [s.penalties for s in states],
             {i: s.generator for i, s in enumerate(states) if s.generator is not None},
             self.eos_token_ids, logits.shape[-1], self.device)
         result = self.sampler(logits, meta)
         sampled = result.sampled_token_ids.tolist()
         for state, token_id in zip(states, sampled):
             state.token_ids.append(token_id)
+            if state.penalties is not None:
+                state.penalties.add(token_id)
         output = ModelRunnerOutput({s.request_id: [t] for s, t in zip(states, sampled)})
         if result.logprobs is not None:
             for i, state in enumerate(states):
