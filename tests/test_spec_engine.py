@@ -157,3 +157,16 @@ def test_server_metrics_and_streaming(smollm2_fp32):
     assert m["vllm:spec_decode_num_drafts_total"] > 0
     assert 0 < m["vllm:spec_decode_num_accepted_tokens_total"] <= m["vllm:spec_decode_num_draft_tokens_total"]
     assert m["vllm:spec_decode_num_accepted_tokens_per_pos_total{position=0}"] > 0
+
+
+def test_llm_takes_speculative_config_and_refuses_a_bad_one():
+    from threefold.engine.llm import LLM
+    from threefold.errors import ThreefoldError
+
+    with pytest.raises(ThreefoldError, match="num_speculative_tokens must be") as info:
+        LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 0})  # refused before the model loads
+    assert info.value.param == "speculative_config.num_speculative_tokens"
+    llm = LLM(dtype="float32", kv_cache_memory=64 << 20, max_model_len=256,
+              speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    out = llm.generate([REPEATING[0]], SamplingParams(temperature=0.0, max_tokens=12))[0]
+    assert out.num_accepted_tokens > 0
