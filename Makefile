@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup test lint demo serve bench-offline bench-decode clean
+.PHONY: setup test lint demo serve bench-offline bench-decode heads clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,16 @@ bench-offline: setup
 bench-decode: setup
 	$(BIN)/threefold bench peers convert --model smollm2-135m  # once: transformers reads an HF directory
 	$(BIN)/python benchmarks/decode.py --engines $(DECODE_ENGINES) --out-dir results/decode
+
+# Speculative-decoding heads for SmolLM2-135M, self-distilled on ShareGPT's train split (README:
+# "Speculative decoding"); they land in $$THREEFOLD_HOME/heads/, where speculative_config's
+# {"method": "eagle", "model": "smollm2-135m-eagle"} finds them. CPU only, tens of minutes.
+HEADS := $${THREEFOLD_HOME:-$$HOME/.cache/threefold}/heads
+heads: setup
+	$(BIN)/threefold train-draft --method eagle --model smollm2-135m --out $(HEADS)/smollm2-135m-eagle \
+		--num-tokens 24000 --seq-len 256 --steps 400 --lr 1e-3
+	$(BIN)/threefold train-draft --method medusa --model smollm2-135m --out $(HEADS)/smollm2-135m-medusa \
+		--num-tokens 12000 --seq-len 256 --steps 200 --lr 1e-3 --num-heads 4
 
 clean:
 	rm -rf $(VENV)

@@ -164,11 +164,9 @@ def test_decodes_of_very_different_lengths_batch_exactly(make_llm):
 
 
 def test_length_buckets_bound_padding():
-    from threefold.worker.batch import CachedRequestState, _length_buckets
+    from threefold.worker.batch import _length_buckets
 
-    def state(n):
-        return CachedRequestState("r", [], 0, GREEDY, [], n, None)
     lengths = [3, 10, 20, 40, 300, 310, 2000]
-    buckets = _length_buckets([state(n) for n in lengths], 16)
+    buckets = _length_buckets(lengths, 16)
     # block counts 1,1,2,3,19,20,126: a bucket grows while blocks <= 1.5 x its first + 1
     assert buckets == [(0, 3), (3, 4), (4, 6), (6, 7)]

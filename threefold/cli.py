@@ -28,6 +28,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         default=cache.enable_prefix_caching)
     parser.add_argument("--seed", type=int, default=model.seed)
+    parser.add_argument("--speculative-config", default=None,
+                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' '
+                             "(methods: ngram, draft_model, medusa, eagle)")
 
 
 def engine_args_from(ns: argparse.Namespace):
@@ -36,7 +39,8 @@ def engine_args_from(ns: argparse.Namespace):
                       kv_cache_memory=ns.kv_cache_memory, block_size=ns.block_size, max_num_seqs=ns.max_num_seqs,
                       max_num_batched_tokens=ns.max_num_batched_tokens,
                       enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed,
-                      kv_cache_dtype=ns.kv_cache_dtype)
+                      kv_cache_dtype=ns.kv_cache_dtype,
+                      speculative_config=getattr(ns, "speculative_config", None))
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -139,9 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="budget; default 256MiB")
     info.add_argument("--block-size", type=int, default=16)
     info.set_defaults(func=cmd_info)
+    train = sub.add_parser("train-draft", help="train Medusa heads or an EAGLE head for a target (ShareGPT train)")
+    _train_args(train)
     _add_optional(sub, "threefold.server.cli")
     _add_optional(sub, "threefold.bench.cli")
     return parser
+
+
+def _train_args(parser: argparse.ArgumentParser) -> None:
+    from threefold.spec.train import add_arguments, run
+    add_arguments(parser)
+    parser.set_defaults(func=lambda ns: (run(ns), 0)[1])
 
 
 def _add_optional(sub, module: str) -> None:

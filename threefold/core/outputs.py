@@ -69,6 +69,10 @@ class ModelRunnerOutput:
     """Request id -> logprobs of every prompt token (first None), once the prompt is done."""
     failed: dict[str, str] = field(default_factory=dict)
     """Request id -> error message for requests whose processing raised."""
+    num_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    """Request id -> drafts accepted this step (requests that verified drafts only)."""
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Request id -> drafts proposed for its next step (the scheduler's update_draft_token_ids)."""
 
 
 @dataclass
@@ -85,6 +89,10 @@ class EngineCoreOutput:
     error: str | None = None
     first_scheduled_time: float | None = None
     """When the request first got a slot (time.time()), for queue-time metrics."""
+    num_draft_tokens: int = 0
+    """Speculative drafts this request verified this step."""
+    num_accepted_tokens: int = 0
+    """Of those, how many were accepted (each saved one target step)."""
 
     @property
     def finished(self) -> bool:

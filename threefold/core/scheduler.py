@@ -33,6 +33,12 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    spec_num_drafts: int = 0
+    """Speculative verify steps that carried drafts (vllm:spec_decode_num_drafts)."""
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] | None = None
+    """Accepted drafts by draft position (None when nothing was drafted yet)."""
 
 
 class _StepPlan:
@@ -61,6 +67,8 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by Request.sort_key
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.spec_counts = [0, 0, 0]  # drafts (verify steps with drafts), draft tokens, accepted tokens
+        self.spec_accepted_per_pos: list[int] = []
 
     # ---- queue bookkeeping -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -191,6 +199,28 @@ class Scheduler:
             bisect.insort(self.running, request, key=Request.sort_key)
             self._commit(request, num_new, plan)
 
+    # ---- drafts ------------------------------------------------------------
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """The one entry point for speculative drafts (vLLM's): they become the request's
+        spec_token_ids, and the next schedule() computes them in lookahead slots reserved by
+        the same allocate_slots call as its ordinary tokens. Drafts that could overrun
+        max_tokens or the context are cut; finished or waiting requests take none."""
+        for request_id, drafts in draft_token_ids.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+            request.spec_token_ids = list(drafts[: max(room, 0)])
+
+    def _count_spec(self, num_spec: int, num_accepted: int) -> None:
+        self.spec_counts[0] += 1
+        self.spec_counts[1] += num_spec
+        self.spec_counts[2] += num_accepted
+        if len(self.spec_accepted_per_pos) < num_spec:
+            self.spec_accepted_per_pos.extend([0] * (num_spec - len(self.spec_accepted_per_pos)))
+        for pos in range(num_accepted):
+            self.spec_accepted_per_pos[pos] += 1
+
     # ---- results -----------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
@@ -215,6 +245,8 @@ class Scheduler:
         num_rejected = num_spec + 1 - len(sampled) if sampled and num_spec else 0
         request.num_computed_tokens += num_scheduled - num_rejected
         request.spec_token_ids = []
+        if num_spec and sampled:
+            self._count_spec(num_spec, num_spec - num_rejected)
         new_ids = []
         for token_id in sampled:
             request.append_output_token(token_id)
@@ -227,6 +259,8 @@ class Scheduler:
         result = EngineCoreOutput(rid, new_ids, out.logprobs.get(rid, [])[: len(new_ids)] or None,
                                   prompt_logprobs, num_cached_tokens=request.num_cached_tokens,
                                   first_scheduled_time=request.first_scheduled_time)
+        if num_spec and sampled:
+            result.num_draft_tokens, result.num_accepted_tokens = num_spec, num_spec - num_rejected
         if request.is_finished:
             result.finish_reason, result.stop_reason = request.status.finish_reason, request.stop_reason
             self.running.remove(request)
@@ -235,4 +269,6 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(),
-                              self.kv.stats.queries, self.kv.stats.hits, self.num_preemptions)
+                              self.kv.stats.queries, self.kv.stats.hits, self.num_preemptions,
+                              self.spec_counts[0], self.spec_counts[1], self.spec_counts[2],
+                              list(self.spec_accepted_per_pos) or None)

@@ -13,6 +13,7 @@ from threefold.core.request import Request, RequestStatus
 from threefold.core.scheduler import Scheduler, SchedulerStats
 from threefold.errors import ThreefoldError
 from threefold.model.loader import LoadedModel
+from threefold.spec.config import SpeculativeConfig
 from threefold.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -28,8 +29,9 @@ def default_kv_cache_memory() -> int:
 
 class EngineCore:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig,
-                 max_model_len: int, device: str = "cpu") -> None:
-        self.runner = ModelRunner(loaded, cache.block_size, cache.kv_cache_dtype, device=device)
+                 max_model_len: int, device: str = "cpu", speculative: SpeculativeConfig | None = None) -> None:
+        self.runner = ModelRunner(loaded, cache.block_size, cache.kv_cache_dtype, device=device,
+                                  speculative_config=speculative, max_model_len=max_model_len)
         budget = cache.kv_cache_memory or default_kv_cache_memory()
         num_blocks = budget // self.runner.bytes_per_block() + 1  # +1: the null block
         min_blocks = -(-max_model_len // cache.block_size) + 1
@@ -41,7 +43,8 @@ class EngineCore:
         self.runner.initialize_kv_cache(num_blocks)
         spec = str(self.runner.codec.spec)
         self.kv = KVCacheManager(num_blocks, cache.block_size, loaded.fingerprint, cache.enable_prefix_caching, spec)
-        self.scheduler = Scheduler(sched, self.kv, max_model_len)
+        lookahead = 0 if speculative is None else speculative.num_lookahead_tokens
+        self.scheduler = Scheduler(sched, self.kv, max_model_len, num_lookahead_tokens=lookahead)
         self.cache_info = {"kv_cache_dtype": spec, "block_size": cache.block_size, "num_blocks": num_blocks - 1,
                            "bytes_per_token": self.runner.bytes_per_block() / cache.block_size,
                            "capacity_tokens": self.kv.capacity_tokens, "kv_cache_memory": budget}
@@ -74,7 +77,10 @@ class EngineCore:
             logger.exception("model step failed")
             out = ModelRunnerOutput({}, failed={rid: f"{type(exc).__name__}: {exc}"
                                                 for rid in sched.num_scheduled_tokens})
-        return self.scheduler.update_from_output(sched, out)
+        outputs = self.scheduler.update_from_output(sched, out)
+        if out.draft_token_ids:
+            self.scheduler.update_draft_token_ids(out.draft_token_ids)
+        return outputs
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

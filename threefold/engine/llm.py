@@ -30,12 +30,13 @@ class LLM:
                  max_num_batched_tokens: int = _DEFAULTS.max_num_batched_tokens,
                  enable_prefix_caching: bool = _DEFAULTS.enable_prefix_caching, seed: int = _DEFAULTS.seed,
                  block_size: int = _DEFAULTS.block_size, device: str = _DEFAULTS.device,
-                 kv_cache_dtype: str = _DEFAULTS.kv_cache_dtype) -> None:
+                 kv_cache_dtype: str = _DEFAULTS.kv_cache_dtype,
+                 speculative_config: dict | str | None = None) -> None:
         args = EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                           block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
                           enable_prefix_caching=enable_prefix_caching, seed=seed, device=device,
-                          kv_cache_dtype=kv_cache_dtype)
+                          kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config)
         self.engine = LLMEngine.from_args(args)
         self._ids = itertools.count()
 

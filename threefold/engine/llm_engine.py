@@ -22,6 +22,7 @@ from threefold.engine.outputs import RequestOutput, RequestOutputKind
 from threefold.errors import ContextLengthError, ThreefoldError
 from threefold.model.loader import LoadedModel, load_model
 from threefold.sample.params import SamplingParams
+from threefold.spec.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,12 @@ class EngineArgs:
     kv_cache_dtype: str = _CACHE.kv_cache_dtype
     seed: int = _MODEL.seed
     device: str = "cpu"
+    speculative_config: SpeculativeConfig | dict | str | None = None
+    """vLLM's shape, e.g. {"method": "ngram", "num_speculative_tokens": 5}; JSON text or a dict."""
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         return (ModelConfig(self.model, self.dtype, self.max_model_len, self.seed),
@@ -64,7 +71,8 @@ class LLMEngine:
         self.vocab_size = loaded.config.vocab_size
         torch.manual_seed(model_config.seed)
         loaded.precision.log(logger)  # which dtype, on which CPU, and why
-        self.core = EngineCore(loaded, cache_config, sched_config, self.max_model_len, args.device)
+        self.core = EngineCore(loaded, cache_config, sched_config, self.max_model_len, args.device,
+                               args.speculative)
         self.processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, RequestState] = {}
         self.child_to_parent: dict[str, tuple[RequestState, int]] = {}
@@ -72,6 +80,7 @@ class LLMEngine:
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
         args.configs()  # validate before the (slow) model load
+        args.speculative  # noqa: B018 - same for the speculative config
         loaded = load_model(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
         return cls(loaded, args)
 

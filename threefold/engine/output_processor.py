@@ -64,6 +64,8 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     prompt_logprobs_sent: bool = False
 
     @property
@@ -81,7 +83,8 @@ class RequestState:
             self.prompt_logprobs_sent = self.prompt_logprobs_sent or prompt_logprobs is not None
         outputs = [c.output(self.output_kind) for c in self.completions]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, prompt_logprobs,
-                             outputs, finished, self.num_cached_tokens, self.metrics, self.error)
+                             outputs, finished, self.num_cached_tokens, self.metrics, self.error,
+                             num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted_tokens)
 
 
 class OutputProcessor:
@@ -111,6 +114,8 @@ class OutputProcessor:
             state.prompt_logprobs = [None if p is None else self._position(p) for p in out.prompt_logprobs]
         if completion.index == 0:
             state.num_cached_tokens = out.num_cached_tokens
+        state.num_draft_tokens += out.num_draft_tokens
+        state.num_accepted_tokens += out.num_accepted_tokens
         if out.new_token_ids:
             metrics.first_token_time = metrics.first_token_time or now
             metrics.last_token_time = now

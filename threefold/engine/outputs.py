@@ -83,6 +83,10 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = field(default=None)
     """Set when the request failed inside the engine (the server answers 500)."""
+    num_draft_tokens: int = 0
+    """Speculative drafts verified for this request so far (all its completions)."""
+    num_accepted_tokens: int = 0
+    """Of those, the accepted ones: each saved one target forward."""
 
 
 def merge_deltas(outputs: Sequence[RequestOutput]) -> RequestOutput:

@@ -53,6 +53,8 @@ class SamplingParams:
     """Drop special tokens from the returned text."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string in the text."""
+    speculative: bool = True
+    """False: this request never drafts, even when the engine speculates."""
     _stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:

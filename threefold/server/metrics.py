@@ -71,8 +71,16 @@ class ServerMetrics(StatLogger):
                              REQUEST_LATENCY_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self._spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft position.", ["model_name", "position"],
+                                     registry=self.registry)
         self._tracked: dict[str, _Tracked] = {}
-        self._last_cumulative = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+        self._last_cumulative = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
+                                 "spec_num_drafts": 0, "spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0}
+        self._last_per_pos: list[int] = []
 
     def set_cache_config(self, info: dict) -> None:
         """The KV pool's configuration: vLLM's info-style gauge (value 1, the config in its
@@ -114,11 +122,21 @@ class ServerMetrics(StatLogger):
         self.kv_usage.set(stats.kv_cache_usage)
         # The engine reports cumulative totals; prometheus counters want increments.
         for name, metric in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
-                             ("num_preemptions", self.preemptions)):
-            total = getattr(stats, name)
+                             ("num_preemptions", self.preemptions), ("spec_num_drafts", self.spec_drafts),
+                             ("spec_num_draft_tokens", self.spec_draft_tokens),
+                             ("spec_num_accepted_tokens", self.spec_accepted)):
+            total = getattr(stats, name, 0)
             if total > self._last_cumulative[name]:
                 metric.inc(total - self._last_cumulative[name])
             self._last_cumulative[name] = total
+        self._record_per_pos(getattr(stats, "spec_num_accepted_tokens_per_pos", None) or [])
+
+    def _record_per_pos(self, per_pos: list[int]) -> None:
+        for position, total in enumerate(per_pos):
+            last = self._last_per_pos[position] if position < len(self._last_per_pos) else 0
+            if total > last:
+                self._spec_per_pos.labels(model_name=self._model_name, position=str(position)).inc(total - last)
+        self._last_per_pos = list(per_pos)
 
     def _record_output(self, tracked: _Tracked, output: RequestOutput, now: float) -> None:
         new_tokens = sum(len(c.token_ids) for c in output.outputs)  # outputs are deltas

@@ -100,8 +100,9 @@ def build_batch(states: list[CachedRequestState], num_scheduled: dict[str, int],
 
     Python work is O(requests + scheduled tokens), never O(context): block tables
     and slots come from the persistent `block_table`."""
-    # Decodes first, shortest context first (so length buckets are contiguous), then prefill chunks.
-    order = sorted(states, key=lambda s: (num_scheduled[s.request_id] != 1, s.num_computed_tokens))
+    # Decodes (with their drafts: a verify is a multi-query decode) first, shortest context first
+    # (so length buckets are contiguous), then prefill chunks.
+    order = sorted(states, key=lambda s: (not _is_decode(s, num_scheduled[s.request_id]), s.num_computed_tokens))
     input_ids: list[int] = []
     starts, lens, sample_rows, sampling = [], [], [], []
     for state in order:
@@ -130,16 +131,26 @@ def build_batch(states: list[CachedRequestState], num_scheduled: dict[str, int],
                      order, starts, lens, sample_rows, sampling)
 
 
+def _is_decode(state: CachedRequestState, num_scheduled: int) -> bool:
+    """One new token, or the last real token plus speculative drafts (k+1 queries)."""
+    return num_scheduled == 1 or state.num_computed_tokens + 1 == len(state.token_ids)
+
+
 def _attention_metadata(order: list[CachedRequestState], starts: list[int], lens: list[int], rows: torch.Tensor,
                         slots: torch.Tensor, block_table: BlockTable, device: torch.device,
                         sliding_window: int | None, native_decode: bool) -> AttentionMetadata:
     block_size = block_table.block_size
-    num_decodes = sum(1 for n in lens if n == 1)
+    num_decodes = sum(1 for state, n in zip(order, lens) if _is_decode(state, n))
+    # Every decode query is one row: a verify's k+1 queries share the request's block-table row
+    # and see one more key each (its draft's, written before attention), as gpt-fast scores
+    # [last, *drafts] in one call.
+    query_rows = rows[:num_decodes].repeat_interleave(torch.tensor(lens[:num_decodes], dtype=torch.long))
+    contexts = [state.num_computed_tokens + j for state, n in zip(order[:num_decodes], lens) for j in range(n)]
     if native_decode:
-        buckets = [(0, num_decodes)] if num_decodes else []
+        buckets = [(0, len(contexts))] if contexts else []
     else:
-        buckets = _length_buckets(order[:num_decodes], block_size)
-    groups = [_decode_group(order[lo:hi], rows[lo:hi], lo, block_table, device, sliding_window,
+        buckets = _length_buckets(contexts, block_size)
+    groups = [_decode_group(contexts[lo:hi], query_rows[lo:hi], lo, block_table, device, sliding_window,
                             with_mask=not native_decode)
               for lo, hi in buckets]
     prefills = []
@@ -158,33 +169,33 @@ def _attention_metadata(order: list[CachedRequestState], starts: list[int], lens
 _BUCKET_GROWTH = 1.5
 
 
-def _length_buckets(decodes: list[CachedRequestState], block_size: int) -> list[tuple[int, int]]:
-    """[lo, hi) index ranges of decodes (sorted by context) whose block counts are within a factor."""
+def _length_buckets(contexts: list[int], block_size: int) -> list[tuple[int, int]]:
+    """[lo, hi) index ranges of decode queries (sorted by context) whose block counts are within a factor."""
     buckets, lo = [], 0
-    for i, state in enumerate(decodes):
-        blocks = state.num_computed_tokens // block_size + 1
-        first = decodes[lo].num_computed_tokens // block_size + 1
+    for i, context in enumerate(contexts):
+        blocks = context // block_size + 1
+        first = contexts[lo] // block_size + 1
         if i > lo and blocks > _BUCKET_GROWTH * first + 1:
             buckets.append((lo, i))
             lo = i
-    if decodes:
-        buckets.append((lo, len(decodes)))
+    if contexts:
+        buckets.append((lo, len(contexts)))
     return buckets
 
 
-def _decode_group(decodes: list[CachedRequestState], rows: torch.Tensor, first_token: int,
-                  block_table: BlockTable, device: torch.device, sliding_window: int | None,
-                  with_mask: bool) -> DecodeGroup:
+def _decode_group(contexts: list[int], rows: torch.Tensor, first_token: int, block_table: BlockTable,
+                  device: torch.device, sliding_window: int | None, with_mask: bool) -> DecodeGroup:
+    """contexts: keys before each query; rows: each query's block-table row."""
     block_size = block_table.block_size
-    seq_lens = [s.num_computed_tokens + 1 for s in decodes]
+    seq_lens = [context + 1 for context in contexts]
     max_blocks = -(-max(seq_lens) // block_size)
-    table = block_table.rows(rows, max_blocks)  # [num_decodes, max_blocks]
+    table = block_table.rows(rows, max_blocks)  # [num_queries, max_blocks]
     lengths = torch.tensor(seq_lens, dtype=torch.long, device=device)
     if not with_mask:
-        return DecodeGroup(first_token, len(decodes), table, lengths, None)
+        return DecodeGroup(first_token, len(contexts), table, lengths, None)
     key_pos = torch.arange(max_blocks * block_size, device=device).unsqueeze(0)
     visible = key_pos < lengths.unsqueeze(1)
     if sliding_window is not None:
         visible &= key_pos >= lengths.unsqueeze(1) - sliding_window
     mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))[:, None, None, :]
-    return DecodeGroup(first_token, len(decodes), table, lengths, mask)
+    return DecodeGroup(first_token, len(contexts), table, lengths, mask)

@@ -7,6 +7,7 @@ the `.tolist()` in `_to_output`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -17,13 +18,16 @@ from threefold.kv.paged import PagedKVCache
 from threefold.kv.registry import make_codec
 from threefold.model.loader import LoadedModel
 from threefold.sample.sampler import Sampler, SamplingMetadata, compute_logprobs_tensors
+from threefold.spec.config import SpeculativeConfig
+from threefold.spec.runner import SpecRunner
 from threefold.worker.attention import PagedAttention
 from threefold.worker.batch import RequestStates, StepBatch, build_batch
 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, block_size: int, kv_cache_dtype: str = "auto",
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", speculative_config: SpeculativeConfig | None = None,
+                 max_model_len: int | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
@@ -36,6 +40,9 @@ class ModelRunner:
         self.kernels = cpu_kernels() if self.device.type == "cpu" else None
         """The native decode-attention kernel, or None: the plain torch path (same results)."""
         self.sampler = Sampler(self.kernels)
+        self.spec = None if speculative_config is None else SpecRunner.build(
+            speculative_config, loaded, max_model_len or loaded.max_model_len)
+        """Speculative decoding's half of the runner (verify + propose), or None."""
         self.prompt_logprobs_observer: Callable[[str, int, torch.Tensor], None] | None = None
         """Measurement hook (bench quality): sees the full log-distribution rows
         [n, vocab] of prompt positions starting at a position, per request."""
@@ -49,6 +56,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.requests.update(sched)
+        if self.spec is not None:
+            for request_id in sched.finished_req_ids | sched.preempted_req_ids:
+                self.spec.remove(request_id)
         if sched.is_empty:
             return ModelRunnerOutput({})
         states = [self.requests.states[rid] for rid in sched.num_scheduled_tokens]
@@ -58,9 +68,16 @@ class ModelRunner:
         assert self.kv_cache is not None, "initialize_kv_cache() before execute()"
         attention = PagedAttention(self.kv_cache, batch.attn, self.config.head_dim ** -0.5, self.config.dtype,
                                    self.kernels)
+        start, computed_before = time.perf_counter(), {s.request_id: s.num_computed_tokens for s in batch.order}
         hidden = self.model(batch.input_ids, batch.positions, attention)
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
-        output = self._sample(batch, hidden)
+        if self.spec is None:
+            output = self._sample(batch, hidden)
+        else:
+            spec_tokens = sched.scheduled_spec_token_ids
+            output = self.spec.sample(batch, hidden, spec_tokens, self._sample)
+            self.spec.observe_step(len(batch.input_ids), time.perf_counter() - start)
+            output.draft_token_ids = self.spec.propose(batch, hidden, output, spec_tokens, computed_before)
         output.prompt_logprobs = prompt_logprobs
         for state in batch.order:
             state.num_computed_tokens += sched.num_scheduled_tokens[state.request_id]

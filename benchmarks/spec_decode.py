@@ -1,0 +1,159 @@
+"""Speculative decoding, on vs off in the same run: output tok/s, acceptance, inter-token latency.
+
+    flock /tmp/threefold-bench.lock .venv/bin/python benchmarks/spec_decode.py \
+        --methods ngram,eagle,medusa --heads-dir $THREEFOLD_HOME/heads --out results/spec.json
+
+For each workload (HumanEval prompts, greedy; ShareGPT *test*-split first turns, chat
+template, greedy) and each concurrency (1, 8, 32: a closed loop keeping that many
+requests in flight), every configuration runs over the same requests, interleaved
+(off, then each method, repeated --rounds times), in one process over one loaded model.
+
+    tok/s        output tokens / wall time of the whole run
+    accept len   1 + accepted / drafts: tokens per verify step (vLLM's mean acceptance length)
+    per pos      acceptance rate of draft position 1, 2, ...
+    ITL p50/p99  gaps between successive outputs of a request (a verify emitting several
+                 tokens at once is one output, as a streaming client sees it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+from threefold.cpu import cpu_info
+from threefold.engine.llm_engine import EngineArgs, LLMEngine
+from threefold.model.loader import load_model
+from threefold.sample.params import SamplingParams
+
+
+def humaneval_prompts(num: int) -> list[str]:
+    from threefold.bench.datasets import humaneval_path
+
+    with gzip.open(humaneval_path(), "rt") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()][:num]
+
+
+def sharegpt_prompts(tokenizer, num: int) -> list[str]:
+    from threefold.bench.sharegpt import dialogue, open_sharegpt
+
+    prompts = []
+    for record in open_sharegpt().iter_records("test", seed=0):
+        turns = dialogue(record)
+        if turns and len(turns[0][0]) < 2000:
+            prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": turns[0][0]}]))
+        if len(prompts) == num:
+            return prompts
+    return prompts
+
+
+def run(engine: LLMEngine, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+    """Closed loop: `concurrency` requests in flight until every prompt is done."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    before = engine.get_stats()
+    pending, last_seen, gaps, num_tokens = list(enumerate(prompts)), {}, [], 0
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        while pending and len(last_seen) < concurrency:
+            index, prompt = pending.pop(0)
+            engine.add_request(str(index), prompt, params)
+            last_seen[str(index)] = (None, 0)
+        for output in engine.step():
+            now = time.perf_counter()
+            seen_time, seen_tokens = last_seen[output.request_id]
+            tokens = len(output.outputs[0].token_ids)
+            if tokens > seen_tokens and seen_time is not None:
+                gaps.append(now - seen_time)
+            num_tokens += tokens - seen_tokens
+            last_seen[output.request_id] = (now, tokens)
+            if output.finished:
+                del last_seen[output.request_id]
+    wall = time.perf_counter() - start
+    after = engine.get_stats()
+    drafts = after.spec_num_drafts - before.spec_num_drafts
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    per_pos_after = after.spec_num_accepted_tokens_per_pos or []
+    per_pos_before = (before.spec_num_accepted_tokens_per_pos or []) + [0] * len(per_pos_after)
+    gaps.sort()
+    return {"tok_s": num_tokens / wall, "tokens": num_tokens, "wall_s": wall,
+            "accept_len": 1 + accepted / drafts if drafts else None,
+            "draft_tokens": after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+            "per_pos": [round((a - b) / drafts, 3) for a, b in zip(per_pos_after, per_pos_before)] if drafts else [],
+            "itl_p50_ms": 1000 * gaps[len(gaps) // 2] if gaps else None,
+            "itl_p99_ms": 1000 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else None}
+
+
+def configs(methods: list[str], heads_dir: Path, k: int) -> dict[str, dict | None]:
+    out: dict[str, dict | None] = {"off": None}
+    for method in methods:
+        config = {"method": method, "num_speculative_tokens": k}
+        if method in ("eagle", "medusa"):
+            config["model"] = str(heads_dir / f"smollm2-135m-{method}")
+            if not Path(config["model"]).is_dir():
+                print(f"skip {method}: no heads in {config['model']}")
+                continue
+        out[method] = config
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", default="ngram,eagle,medusa")
+    parser.add_argument("--heads-dir", type=Path, default=Path.home() / ".cache/threefold/heads")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--workloads", default="humaneval,sharegpt")
+    parser.add_argument("--num-prompts", type=int, default=32, help="per workload (batch 1 takes the first 6)")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    loaded = load_model("smollm2-135m", dtype=args.dtype)
+    loaders = {"humaneval": lambda: humaneval_prompts(args.num_prompts),
+               "sharegpt": lambda: sharegpt_prompts(loaded.tokenizer, args.num_prompts)}
+    workloads = {name: loaders[name]() for name in args.workloads.split(",")}
+    engines = {name: LLMEngine(loaded, EngineArgs(dtype=args.dtype, kv_cache_memory=1 << 30, max_model_len=2048,
+                                                  enable_prefix_caching=False, speculative_config=config))
+               for name, config in configs(args.methods.split(","), args.heads_dir, args.k).items()}
+    results = []
+    for workload, prompts in workloads.items():
+        for concurrency in map(int, args.concurrency.split(",")):
+            subset = prompts[:6] if concurrency == 1 else prompts[: max(concurrency, 16)]
+            for round_index in range(args.rounds):
+                for name, engine in engines.items():
+                    result = run(engine, subset, concurrency, args.max_tokens)
+                    result.update(workload=workload, concurrency=concurrency, config=name, round=round_index)
+                    results.append(result)
+                    print(json.dumps(result), flush=True)
+    summary = summarize(results)
+    print(summary)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        record = {"cpu": str(cpu_info()), "machine": platform.machine(), "args": vars(args), "results": results}
+        args.out.write_text(json.dumps(record, indent=1, default=str))
+
+
+def summarize(results: list[dict]) -> str:
+    """A markdown table: median over rounds, each config's tok/s as a ratio of off in the same cell."""
+    rows = ["| workload | conc | config | tok/s | x off | accept len | per pos | ITL p50 ms | ITL p99 ms |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    cells: dict[tuple, list[dict]] = {}
+    for r in results:
+        cells.setdefault((r["workload"], r["concurrency"], r["config"]), []).append(r)
+    for (workload, conc, name), runs in cells.items():
+        tok_s = statistics.median(r["tok_s"] for r in runs)
+        off = statistics.median(r["tok_s"] for r in cells[(workload, conc, "off")])
+        last = runs[-1]
+        fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+        rows.append(f"| {workload} | {conc} | {name} | {tok_s:.1f} | {tok_s / off:.2f} | {fmt(last['accept_len'])} "
+                    f"| {last['per_pos']} | {fmt(last['itl_p50_ms'])} | {fmt(last['itl_p99_ms'])} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The adaptive speculation length: cost model, acceptance EMA, and the goodput-optimal k."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from threefold.spec.adaptive import (AcceptanceTracker, AdaptiveController, StepCostModel, choose_num_drafts,
+                                     expected_tokens)
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_cost_model_interpolates_extrapolates_and_stays_monotone():
+    cost = StepCostModel({1: 0.010, 9: 0.018})
+    assert cost(1) == 0.010 and cost(0) == 0.010
+    assert cost(5) == pytest.approx(0.014)
+    assert cost(17) == pytest.approx(0.026)  # the last segment's slope
+    cost.observe(5, 0.005)  # a noisy fast step: more tokens must not look cheaper
+    assert cost(5) == pytest.approx(0.010)
+    cost.observe(9, 0.028)  # EMA at a known point
+    assert cost(9) == pytest.approx(0.019)
+    single = StepCostModel({4: 0.02})
+    assert single(8) == pytest.approx(0.04) and single(2) == 0.02
+
+
+def goodput(ks, rates, cost, base_tokens, base_emitted, draft_cost):
+    emitted = base_emitted + sum(expected_tokens(r, k) - 1 for r, k in zip(rates, ks))
+    return emitted / (cost(base_tokens + sum(ks)) + draft_cost * sum(ks))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_choice_is_the_brute_force_optimum(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 3)
+    rates = [rng.random() for _ in range(n)]
+    max_drafts = [rng.randint(0, 4) for _ in range(n)]
+    # A measured-looking profile: flat overhead, then compute-bound.
+    knee, per_token = rng.randint(1, 16), rng.uniform(0.0005, 0.003)
+    cost = StepCostModel({1: 0.01, knee + 1: 0.01 + rng.uniform(0, 0.002), 64: 0.01 + per_token * (64 - knee)})
+    base_tokens, draft_cost = rng.randint(n, 3 * n), rng.choice([0.0, 0.001])
+    ks = choose_num_drafts(rates, max_drafts, cost, base_tokens, n, draft_cost)
+    assert all(0 <= k <= m for k, m in zip(ks, max_drafts))
+    best = max(goodput(c, rates, cost, base_tokens, n, draft_cost)
+               for c in itertools.product(*[range(m + 1) for m in max_drafts]))
+    assert goodput(ks, rates, cost, base_tokens, n, draft_cost) == pytest.approx(best, rel=1e-12)
+
+
+def test_overhead_bound_speculates_fully_and_compute_bound_not_at_all():
+    flat = StepCostModel({1: 0.01, 256: 0.0101})
+    assert choose_num_drafts([0.8, 0.8], [5, 5], flat, 2, 2) == [5, 5]
+    assert choose_num_drafts([0.8, 0.05], [5, 5], flat, 2, 2)[0] == 5
+    # Each token costs the same (a big batch): a draft adds a < 1 tokens for one token's time.
+    linear = StepCostModel({1: 0.001, 1024: 1.024})
+    assert choose_num_drafts([0.9] * 32, [5] * 32, linear, 32, 32) == [0] * 32
+    # Drafts whose acceptance is zero never pay.
+    assert choose_num_drafts([0.0], [5], flat, 1, 1) == [0]
+
+
+def test_acceptance_ema_recovers_the_rate_from_truncated_runs():
+    rng = random.Random(0)
+    tracker = AcceptanceTracker(ema_weight=0.02)
+    for _ in range(4000):
+        k = rng.randint(1, 5)
+        accepted = 0
+        while accepted < k and rng.random() < 0.7:
+            accepted += 1
+        tracker.observe("r", k, accepted)
+    assert tracker.rate("r") == pytest.approx(0.7, abs=0.05)
+    assert tracker.rate("new") == tracker.prior
+    tracker.observe("r", 0, 0)  # a step without drafts says nothing
+    tracker.remove("r")
+    assert tracker.rate("r") == tracker.prior
+
+
+def test_low_acceptance_drives_k_to_zero_with_rare_probes():
+    controller = AdaptiveController(StepCostModel({1: 0.01, 64: 0.011}), max_drafts=5, probe_interval=16)
+    drafted = []
+    for _ in range(200):
+        (k,) = controller.choose(["r"], base_tokens=1, base_emitted=1)
+        controller.observe("r", k, 0)  # a proposer that is never right
+        drafted.append(k)
+    assert drafted[0] == 5
+    late = drafted[50:]
+    assert late.count(0) >= len(late) - len(late) // 16 and max(late) <= 1
+    controller.remove("r")
+    assert controller.choose(["r"], 1, 1) == [5]
+
+
+def test_measured_draft_cost_can_turn_speculation_off():
+    controller = AdaptiveController(StepCostModel({1: 0.01, 64: 0.011}), max_drafts=4)
+    assert controller.choose(["r"], 1, 1) == [4]
+    for _ in range(100):  # a proposer costing a whole step per drafted token never pays at a = 0.5
+        controller.observe_draft_cost(4, 0.04)
+    assert controller.draft_seconds_per_token == pytest.approx(0.01, rel=1e-3)
+    assert controller.choose(["r"], 1, 1) == [0]

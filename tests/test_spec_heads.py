@@ -1,0 +1,126 @@
+"""Medusa and EAGLE proposers on the real SmolLM2 target: drafts against direct/brute-force
+recomputation, incremental state against from-scratch, trees against chains."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from threefold.errors import ThreefoldError
+from threefold.spec.config import SpeculativeConfig
+from threefold.spec.heads import EagleHead, HeadsConfig, MedusaHeads, save_heads
+from threefold.spec.proposer import ROOT, DraftRequest, make_proposer
+from threefold.spec.train import causal_attention
+
+
+@pytest.fixture(scope="module")
+def context(smollm2_fp32):
+    """Tokens x_0..x_{L-1} and the target's features f_0..f_{L-2} (x_{L-1} the target's greedy choice)."""
+    model = smollm2_fp32.model
+    ids = smollm2_fp32.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return")
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), causal_attention)
+        next_id = int(model.compute_logits(hidden[-1:]).argmax())
+    return ids + [next_id], hidden.clone()
+
+
+def random_heads(method, smollm2_fp32, path, num_heads=3):
+    torch.manual_seed(0)
+    arch = smollm2_fp32.config
+    heads = MedusaHeads(arch.hidden_size, num_heads) if method == "medusa" else EagleHead(arch)
+    with torch.no_grad():  # Medusa starts as the identity; give every head its own map
+        for param in heads.parameters():
+            if param.dim() == 2:
+                param.normal_(0, 0.02)
+    save_heads(path, HeadsConfig(method, arch.hidden_size, arch.vocab_size, "smollm2-135m", num_heads), heads)
+    return heads
+
+
+def test_medusa_chain_and_tree(smollm2_fp32, context, tmp_path):
+    heads = random_heads("medusa", smollm2_fp32, tmp_path)
+    tokens, hidden = context
+    proposer = make_proposer(SpeculativeConfig("medusa", 3, model=str(tmp_path)), smollm2_fp32)
+    (draft,) = proposer.propose([DraftRequest("r", tokens, 2, hidden)])
+    with torch.inference_mode():
+        logits = smollm2_fp32.model.compute_logits(heads(hidden[-1:])[:, 0])  # [num_heads, vocab]
+    assert draft.token_ids == logits.argmax(-1)[:2].tolist() and not draft.is_tree
+    assert proposer.propose([DraftRequest("r", tokens, 2, None)])[0].token_ids == []
+    tree = make_proposer(SpeculativeConfig("medusa", 3, model=str(tmp_path),
+                                           speculative_token_tree="[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]"),
+                         smollm2_fp32)
+    (draft,) = tree.propose([DraftRequest("r", tokens, 2, hidden)])  # depth 2: the depth-3 node is left out
+    top = logits.topk(2, -1).indices
+    assert draft.token_ids == [top[0, 0], top[0, 1], top[1, 0], top[1, 1]]
+    assert draft.parent_ids == [ROOT, ROOT, 0, 0]
+    with pytest.raises(ThreefoldError, match="exceeds the 3 Medusa heads"):
+        make_proposer(SpeculativeConfig("medusa", 4, model=str(tmp_path)), smollm2_fp32)
+    with pytest.raises(ThreefoldError, match="holds medusa heads, not eagle"):
+        make_proposer(SpeculativeConfig("eagle", 3, model=str(tmp_path)), smollm2_fp32)
+
+
+def brute_force_eagle_chain(head, model, tokens, hidden, k):
+    """Recompute the head over every pair from scratch for each drafted token."""
+    features, pair_tokens = list(hidden), list(tokens[1:])
+    drafts = []
+    with torch.inference_mode():
+        for _ in range(k):
+            num = len(pair_tokens)
+            embeds = F.embedding(torch.tensor(pair_tokens), model.embed_tokens.weight)
+            predicted = head(torch.stack(features), embeds, torch.arange(1, num + 1), causal_attention)
+            drafts.append(int(model.compute_logits(predicted[-1:]).argmax()))
+            features.append(predicted[-1])
+            pair_tokens.append(drafts[-1])
+    return drafts
+
+
+def test_eagle_chain_matches_brute_force_and_is_incremental(smollm2_fp32, context, tmp_path):
+    head = random_heads("eagle", smollm2_fp32, tmp_path)
+    tokens, hidden = context
+    config = SpeculativeConfig("eagle", 4, model=str(tmp_path))
+    proposer = make_proposer(config, smollm2_fp32)
+    (whole,) = proposer.propose([DraftRequest("a", tokens, 4, hidden)])
+    assert whole.token_ids == brute_force_eagle_chain(head, smollm2_fp32.model, tokens, hidden, 4)
+    # The same context fed in two steps (prefill, then two more verified tokens) drafts the same.
+    split = len(hidden) - 2
+    proposer.propose([DraftRequest("b", tokens[: split + 1], 4, hidden[:split], 0)])
+    (stepped,) = proposer.propose([DraftRequest("b", tokens, 4, hidden[split:], split)])
+    assert stepped.token_ids == whole.token_ids
+    # Recomputed positions (after a preemption) replace the cached ones instead of piling up.
+    (again,) = proposer.propose([DraftRequest("b", tokens, 4, hidden[split - 3 :], split - 3)])
+    assert again.token_ids == whole.token_ids and len(proposer.states["b"].positions) == len(hidden)
+    # Without a feature for the newest token there is nothing to draft from.
+    assert proposer.propose([DraftRequest("b", tokens + [5], 4, None)])[0].token_ids == []
+    proposer.remove("b")
+    assert "b" not in proposer.states
+
+
+def test_eagle_tree(smollm2_fp32, context, tmp_path):
+    random_heads("eagle", smollm2_fp32, tmp_path)
+    tokens, hidden = context
+    chain = make_proposer(SpeculativeConfig("eagle", 3, model=str(tmp_path)), smollm2_fp32)
+    tree = make_proposer(SpeculativeConfig("eagle", 3, model=str(tmp_path), tree_top_k=3, tree_total_tokens=8),
+                         smollm2_fp32)
+    (path,) = chain.propose([DraftRequest("r", tokens, 3, hidden)])
+    (draft,) = tree.propose([DraftRequest("r", tokens, 3, hidden)])
+    assert draft.is_tree and len(draft.token_ids) == 8
+    assert all(p == ROOT or p < i for i, p in enumerate(draft.parent_ids))
+    # The greedy chain is the tree's best-first path: its first node is the root's best child.
+    assert draft.token_ids[0] == path.token_ids[0] and draft.parent_ids[0] == ROOT
+    node, walked = 0, [draft.token_ids[0]]
+    for _ in range(2):
+        children = [i for i, p in enumerate(draft.parent_ids) if p == node]
+        if not children:
+            break
+        node = children[0]
+        walked.append(draft.token_ids[node])
+    assert walked == path.token_ids[: len(walked)]
+
+
+def test_heads_found_by_name_under_threefold_home(smollm2_fp32, tmp_path, monkeypatch):
+    random_heads("medusa", smollm2_fp32, tmp_path / "heads" / "my-heads")
+    monkeypatch.setenv("THREEFOLD_HOME", str(tmp_path))
+    proposer = make_proposer(SpeculativeConfig("medusa", 2, model="my-heads"), smollm2_fp32)
+    assert proposer.heads.num_heads == 3
+    with pytest.raises(ThreefoldError, match="holds no draft heads"):
+        make_proposer(SpeculativeConfig("medusa", 2, model="other-heads"), smollm2_fp32)

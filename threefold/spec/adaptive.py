@@ -1,0 +1,188 @@
+"""Adaptive speculation length: choose each request's k to maximise goodput (plain Python).
+
+Goodput = expected emitted tokens per second of step time. With a per-token
+acceptance rate a (geometric model, Leviathan eq. 1), a request that drafts k
+emits E(k) = 1 + a + a^2 + ... + a^k tokens; the j-th extra draft adds a^j.
+Every draft costs the same: one more verify query (and one draft token), so
+
+    goodput(k_1..k_n) = (base + sum_i E_i(k_i)) / (t_verify(T + sum k) + t_draft * sum k)
+
+is raised by taking increments in order of a_i^j, highest first, while the
+ratio still grows (E is concave in each k, the time convex-ish in tokens).
+At high load t_verify grows ~linearly in tokens and the a^j gains stop paying:
+k falls to 0, which is why speculation never costs throughput (vLLM PR 26504:
+acceptance flat at 0.86-0.91 while speculation went from +23% to -16%).
+
+`StepCostModel` holds the measured step time per token count (profiled at
+startup, then updated online); `AcceptanceTracker` holds each request's EMA.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from itertools import accumulate
+from dataclasses import dataclass, field
+
+PRIOR_ACCEPTANCE = 0.5
+"""A new request's acceptance rate before it has drafted (no evidence either way)."""
+
+
+class StepCostModel:
+    """Seconds of one forward step as a function of the tokens it computes.
+
+    Points are (num_tokens, seconds) EMAs, one per measured token count;
+    between points the time is interpolated linearly, past the last point
+    extrapolated with the last segment's slope (or proportionally, with one point).
+    """
+
+    def __init__(self, profile: dict[int, float], ema_weight: float = 0.1) -> None:
+        if not profile:
+            raise ValueError("StepCostModel needs at least one measured (num_tokens, seconds) point")
+        self.ema_weight = ema_weight
+        self.tokens: list[int] = sorted(profile)
+        self.seconds: list[float] = [float(profile[t]) for t in self.tokens]
+        self._monotone = list(accumulate(self.seconds, max))
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Fold one measured step in: an EMA at a known count, a new point otherwise."""
+        index = bisect.bisect_left(self.tokens, num_tokens)
+        if index < len(self.tokens) and self.tokens[index] == num_tokens:
+            self.seconds[index] += self.ema_weight * (seconds - self.seconds[index])
+        else:
+            self.tokens.insert(index, num_tokens)
+            self.seconds.insert(index, seconds)
+        # Noise must never make more tokens look cheaper: read the running maximum.
+        self._monotone = list(accumulate(self.seconds, max))
+
+    def __call__(self, num_tokens: int) -> float:
+        tokens, seconds = self.tokens, self._monotone
+        if num_tokens <= tokens[0]:
+            return seconds[0]
+        if len(tokens) == 1:
+            return seconds[0] * num_tokens / max(tokens[0], 1)
+        index = min(bisect.bisect_left(tokens, num_tokens), len(tokens) - 1)
+        t0, t1, s0, s1 = tokens[index - 1], tokens[index], seconds[index - 1], seconds[index]
+        return s0 + (s1 - s0) * (num_tokens - t0) / (t1 - t0)
+
+
+@dataclass
+class _Evidence:
+    accepted: float
+    trials: float
+
+
+@dataclass
+class AcceptanceTracker:
+    """Per-request acceptance-rate EMA under the geometric model.
+
+    A step that drafted k and accepted m saw m successes in m + (m < k) Bernoulli
+    trials (the run stops at the first rejection); both counts are EMAs, so the
+    rate is their ratio and a truncated run is not mistaken for a rejection.
+    """
+
+    ema_weight: float = 0.3
+    prior: float = PRIOR_ACCEPTANCE
+    requests: dict[str, _Evidence] = field(default_factory=dict)
+
+    def rate(self, request_id: str) -> float:
+        evidence = self.requests.get(request_id)
+        if evidence is None or evidence.trials <= 0:
+            return self.prior
+        return evidence.accepted / evidence.trials
+
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted <= 0:
+            return
+        trials = num_accepted + (num_accepted < num_drafted)
+        evidence = self.requests.get(request_id)
+        if evidence is None:  # the first observation counts in full, weighed against the prior
+            self.requests[request_id] = _Evidence(num_accepted + self.prior, trials + 1.0)
+            return
+        w = self.ema_weight
+        evidence.accepted += w * (num_accepted - evidence.accepted)
+        evidence.trials += w * (trials - evidence.trials)
+
+    def remove(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens one verify step emits for k drafts: 1 + a + ... + a^k."""
+    return float(k + 1) if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
+
+
+def choose_num_drafts(rates: list[float], max_drafts: list[int], cost: StepCostModel,
+                      base_tokens: int, base_emitted: int, draft_seconds_per_token: float = 0.0) -> list[int]:
+    """k per speculating request maximising goodput for this step.
+
+    rates/max_drafts: one entry per speculating request (max 0 = may not draft);
+    base_tokens: tokens the step computes anyway (prefill chunks, every decode's
+    one query); base_emitted: tokens it emits anyway (one per decode/finished prefill).
+    """
+    # For a fixed number m of extra drafts the best choice is the m largest gains a_i^j (each
+    # request's gains fall with j, so the top m are prefixes); the best m is found by one scan.
+    heap = [(-rate, i) for i, (rate, most) in enumerate(zip(rates, max_drafts)) if most > 0 and rate > 0]
+    heapq.heapify(heap)
+    taken: list[int] = []  # request index of each increment, best first
+    counts = [0] * len(rates)
+    emitted, best, best_m = float(base_emitted), base_emitted / cost(base_tokens), 0
+    while heap:
+        neg_gain, i = heapq.heappop(heap)
+        taken.append(i)
+        counts[i] += 1
+        emitted -= neg_gain
+        m = len(taken)
+        goodput = emitted / (cost(base_tokens + m) + draft_seconds_per_token * m)
+        if goodput > best:
+            best, best_m = goodput, m
+        if counts[i] < max_drafts[i]:
+            heapq.heappush(heap, (neg_gain * rates[i], i))
+    num_drafts = [0] * len(rates)
+    for i in taken[:best_m]:
+        num_drafts[i] += 1
+    return num_drafts
+
+
+class AdaptiveController:
+    """Per-step k for each request: acceptance EMAs + the measured cost model.
+
+    A request at k = 0 gets a one-draft probe every `probe_interval` of its steps,
+    so a request whose text turns predictable can win speculation back (a probe
+    never adds a step: a verify emits at least one token).
+    """
+
+    def __init__(self, cost: StepCostModel, max_drafts: int, ema_weight: float = 0.3,
+                 probe_interval: int = 16, draft_seconds_per_token: float = 0.0) -> None:
+        self.cost = cost
+        self.max_drafts = max_drafts
+        self.acceptance = AcceptanceTracker(ema_weight)
+        self.probe_interval = probe_interval
+        self.draft_seconds_per_token = draft_seconds_per_token
+        self.idle_steps: dict[str, int] = {}
+
+    def choose(self, request_ids: list[str], base_tokens: int, base_emitted: int) -> list[int]:
+        rates = [self.acceptance.rate(rid) for rid in request_ids]
+        chosen = choose_num_drafts(rates, [self.max_drafts] * len(rates), self.cost, base_tokens, base_emitted,
+                                   self.draft_seconds_per_token)
+        for index, rid in enumerate(request_ids):
+            idle = self.idle_steps.get(rid, 0) + 1 if chosen[index] == 0 else 0
+            if idle >= self.probe_interval:
+                chosen[index], idle = 1, 0
+            self.idle_steps[rid] = idle
+        return chosen
+
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        self.acceptance.observe(request_id, num_drafted, num_accepted)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.cost.observe(num_tokens, seconds)
+
+    def observe_draft_cost(self, num_drafted: int, seconds: float, ema_weight: float = 0.1) -> None:
+        """Fold a measured proposer call into the seconds each drafted token costs."""
+        if num_drafted > 0:
+            self.draft_seconds_per_token += ema_weight * (seconds / num_drafted - self.draft_seconds_per_token)
+
+    def remove(self, request_id: str) -> None:
+        self.acceptance.remove(request_id)
+        self.idle_steps.pop(request_id, None)

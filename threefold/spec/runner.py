@@ -1,0 +1,132 @@
+"""SpecRunner: the model runner's speculative half (tensors in, token lists out).
+
+Within one runner step:
+
+    sampled = spec.sample(batch, hidden, sched.scheduled_spec_token_ids, plain_sample)
+        requests without drafts -> the runner's own sampler (plain_sample)
+        requests with k drafts  -> their k+1 rows -> verify_chains -> accepted + 1 tokens
+    sampled.draft_token_ids = spec.propose(batch, hidden, sampled, ...)
+        every request that just got tokens drafts for its next step (k from the controller)
+
+The scheduler then holds the drafts as Request.spec_token_ids (update_draft_token_ids)
+and reserves their slots in the same allocation as ordinary tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from threefold.core.outputs import ModelRunnerOutput, TokenLogprobs
+from threefold.sample.logprobs import compute_logprobs_tensors
+from threefold.spec.config import SpeculativeConfig
+from threefold.spec.decoder import Candidate, SpecDecoder, profile_step_cost
+from threefold.spec.proposer import make_proposer
+from threefold.spec.train import causal_attention
+
+
+class SpecRunner:
+    def __init__(self, decoder: SpecDecoder, model, eos_token_ids: list[int], max_model_len: int) -> None:
+        self.decoder = decoder
+        self.model = model
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.pending_hidden: dict[str, tuple[int, list[Tensor]]] = {}
+        """Hidden rows of prefill chunks not yet handed to the proposer: rid -> (first position, rows)."""
+        self.step_start = 0.0
+
+    @classmethod
+    def build(cls, config: SpeculativeConfig, loaded, max_model_len: int) -> SpecRunner:
+        proposer = make_proposer(config, loaded)
+        cost = profile_step_cost(lambda n: _dense_forward(loaded.model, n)) if config.adaptive else None
+        return cls(SpecDecoder(config, proposer, cost), loaded.model, list(loaded.eos_token_ids), max_model_len)
+
+    # ---- verify --------------------------------------------------------------
+    def sample(self, batch, hidden: Tensor, spec_tokens: dict[str, list[int]],
+               plain_sample: Callable[[object, Tensor], ModelRunnerOutput]) -> ModelRunnerOutput:
+        verifying = [i for i, s in enumerate(batch.sampling_states) if spec_tokens.get(s.request_id)]
+        if not verifying:
+            return plain_sample(batch, hidden)
+        plain = [i for i in range(len(batch.sampling_states)) if i not in set(verifying)]
+        output = plain_sample(dataclasses.replace(
+            batch, sample_rows=[batch.sample_rows[i] for i in plain],
+            sampling_states=[batch.sampling_states[i] for i in plain]), hidden)
+        states = [batch.sampling_states[i] for i in verifying]
+        drafts = [spec_tokens[s.request_id] for s in states]
+        rows = [r for i, d in zip(verifying, drafts) for r in range(batch.sample_rows[i] - len(d),
+                                                                   batch.sample_rows[i] + 1)]
+        logits = self.model.compute_logits(hidden[rows])  # [sum(k + 1), vocab] float32
+        generators = {n: s.generator for n, s in enumerate(states) if s.generator is not None}
+        result = self.decoder.verify([s.request_id for s in states], logits, drafts, [s.params for s in states],
+                                     [s.num_output_tokens for s in states], [s.penalties for s in states],
+                                     generators, self.eos_token_ids)
+        offset = 0
+        for state, draft, emitted, accepted in zip(states, drafts, result.token_ids, result.num_accepted):
+            state.token_ids.extend(emitted)
+            if state.penalties is not None:
+                for token_id in emitted:
+                    state.penalties.add(token_id)
+            output.sampled_token_ids[state.request_id] = emitted
+            output.num_accepted_tokens[state.request_id] = accepted
+            if state.params.logprobs is not None:
+                output.logprobs[state.request_id] = _logprobs(logits[offset : offset + len(emitted)], emitted,
+                                                              state.params.logprobs)
+            offset += len(draft) + 1
+        return output
+
+    # ---- propose -------------------------------------------------------------
+    def propose(self, batch, hidden: Tensor, output: ModelRunnerOutput, spec_tokens: dict[str, list[int]],
+                computed_before: dict[str, int]) -> dict[str, list[int]]:
+        """Drafts for every request that got tokens this step. computed_before: each request's
+        num_computed_tokens at the start of the step (its first row's position)."""
+        needs_hidden = self.decoder.needs_hidden_states
+        if needs_hidden:
+            self._keep_hidden(batch, hidden, output, spec_tokens, computed_before)
+        candidates = []
+        for state in batch.sampling_states:
+            rid = state.request_id
+            room = min((state.params.max_tokens or self.max_model_len) - state.num_output_tokens,
+                       self.max_model_len - len(state.token_ids)) - 1
+            start, rows = self.pending_hidden.pop(rid, (0, [])) if needs_hidden else (0, [])
+            candidates.append(Candidate(rid, state.token_ids, state.params, room,
+                                        torch.cat(rows) if rows else None, start))
+        base_tokens = len(batch.input_ids) - sum(len(d) for d in spec_tokens.values())
+        return self.decoder.propose(candidates, base_tokens, len(candidates))
+
+    def _keep_hidden(self, batch, hidden: Tensor, output: ModelRunnerOutput, spec_tokens: dict[str, list[int]],
+                     computed_before: dict[str, int]) -> None:
+        """Hidden rows of every position that is now part of its sequence (rejected drafts' rows dropped)."""
+        for state, start, num in zip(batch.order, batch.query_starts, batch.query_lens):
+            rid = state.request_id
+            num_drafts = len(spec_tokens.get(rid, ()))
+            num_real = num - num_drafts + output.num_accepted_tokens.get(rid, 0)
+            first, rows = self.pending_hidden.get(rid, (computed_before[rid], []))
+            if first + sum(len(r) for r in rows) != computed_before[rid]:  # a gap: start afresh
+                first, rows = computed_before[rid], []
+            rows.append(hidden[start : start + num_real])
+            self.pending_hidden[rid] = (first, rows)
+
+    def remove(self, request_id: str) -> None:
+        self.pending_hidden.pop(request_id, None)
+        self.decoder.remove(request_id)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.decoder.observe_step(num_tokens, seconds)
+
+
+def _logprobs(logits: Tensor, emitted: list[int], num_top: int) -> list[TokenLogprobs]:
+    """Raw logprobs (the model's own distribution) of each emitted token, as the Sampler returns."""
+    logprobs = logits[: len(emitted)].log_softmax(-1)
+    tensors = compute_logprobs_tensors(logprobs, num_top, torch.tensor(emitted, device=logits.device))
+    return [TokenLogprobs(tensors.token_ids[i, : num_top + 1].tolist(), tensors.logprobs[i, : num_top + 1].tolist(),
+                          int(tensors.ranks[i])) for i in range(len(emitted))]
+
+
+@torch.inference_mode()
+def _dense_forward(model, num_tokens: int) -> None:
+    """One forward of num_tokens (no KV cache): the linear layers dominate a verify step's cost."""
+    model.compute_logits(model(torch.zeros(num_tokens, dtype=torch.long, device=model.embed_tokens.weight.device),
+                               torch.arange(num_tokens, device=model.embed_tokens.weight.device), causal_attention))
