@@ -82,7 +82,8 @@ def run(engine: LLMEngine, prompts: list[str], concurrency: int, max_tokens: int
     return {"tok_s": num_tokens / wall, "tokens": num_tokens, "wall_s": wall,
             "accept_len": 1 + accepted / drafts if drafts else None,
             "draft_tokens": after.spec_num_draft_tokens - before.spec_num_draft_tokens,
-            "per_pos": [round((a - b) / drafts, 3) for a, b in zip(per_pos_after, per_pos_before)] if drafts else [],
+            "per_pos": ([round((a - b) / drafts, 3) for a, b in zip(per_pos_after, per_pos_before, strict=False)]
+                        if drafts else []),
             "itl_p50_ms": 1000 * gaps[len(gaps) // 2] if gaps else None,
             "itl_p99_ms": 1000 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else None}
 

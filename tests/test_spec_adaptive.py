@@ -7,8 +7,13 @@ import random
 
 import pytest
 
-from threefold.spec.adaptive import (AcceptanceTracker, AdaptiveController, StepCostModel, choose_num_drafts,
-                                     expected_tokens)
+from threefold.spec.adaptive import (
+    AcceptanceTracker,
+    AdaptiveController,
+    StepCostModel,
+    choose_num_drafts,
+    expected_tokens,
+)
 
 
 def test_expected_tokens():
@@ -31,7 +36,7 @@ def test_cost_model_interpolates_extrapolates_and_stays_monotone():
 
 
 def goodput(ks, rates, cost, base_tokens, base_emitted, draft_cost):
-    emitted = base_emitted + sum(expected_tokens(r, k) - 1 for r, k in zip(rates, ks))
+    emitted = base_emitted + sum(expected_tokens(r, k) - 1 for r, k in zip(rates, ks, strict=False))
     return emitted / (cost(base_tokens + sum(ks)) + draft_cost * sum(ks))
 
 
@@ -46,7 +51,7 @@ def test_choice_is_the_brute_force_optimum(seed):
     cost = StepCostModel({1: 0.01, knee + 1: 0.01 + rng.uniform(0, 0.002), 64: 0.01 + per_token * (64 - knee)})
     base_tokens, draft_cost = rng.randint(n, 3 * n), rng.choice([0.0, 0.001])
     ks = choose_num_drafts(rates, max_drafts, cost, base_tokens, n, draft_cost)
-    assert all(0 <= k <= m for k, m in zip(ks, max_drafts))
+    assert all(0 <= k <= m for k, m in zip(ks, max_drafts, strict=False))
     best = max(goodput(c, rates, cost, base_tokens, n, draft_cost)
                for c in itertools.product(*[range(m + 1) for m in max_drafts]))
     assert goodput(ks, rates, cost, base_tokens, n, draft_cost) == pytest.approx(best, rel=1e-12)

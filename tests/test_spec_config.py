@@ -33,7 +33,8 @@ BAD = [
     ({"num_speculative_tokens": 3}, "needs a method", "speculative_config.method"),
     ({"method": "lookahead"}, "unknown speculative method 'lookahead'", "speculative_config.method"),
     ({"method": "ngram", "k": 3}, "unknown speculative_config key(s) ['k']", "speculative_config"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "in [1, 16], got 0", "speculative_config.num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "in [1, 16], got 0",
+     "speculative_config.num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 17}, "got 17", "speculative_config.num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2.5}, "got 2.5", "speculative_config.num_speculative_tokens"),
     ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "must not exceed",
@@ -59,8 +60,10 @@ BAD = [
      "1..num_speculative_tokens=1", "speculative_config.speculative_token_tree"),
     ({"method": "medusa", "model": "h", "speculative_token_tree": "oops("}, "list of tuples",
      "speculative_config.speculative_token_tree"),
-    ({"method": "ngram", "acceptance_ema_weight": 0}, "acceptance_ema_weight", "speculative_config.acceptance_ema_weight"),
-    ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size", "speculative_config.disable_by_batch_size"),
+    ({"method": "ngram", "acceptance_ema_weight": 0}, "acceptance_ema_weight",
+     "speculative_config.acceptance_ema_weight"),
+    ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size",
+     "speculative_config.disable_by_batch_size"),
     ({"method": "ngram", "adaptive": "yes"}, "adaptive must be", "speculative_config.adaptive"),
 ]
 

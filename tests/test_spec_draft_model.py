@@ -7,10 +7,11 @@ import json
 
 import pytest
 
-from model_fixtures import greedy, smollm2_hf_tokenizer
 from threefold.errors import ThreefoldError
 from threefold.spec.config import SpeculativeConfig
 from threefold.spec.proposer import DraftRequest, make_proposer
+
+from model_fixtures import greedy, smollm2_hf_tokenizer
 
 
 def test_self_draft_is_the_greedy_continuation(smollm2_fp32):

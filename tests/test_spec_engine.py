@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from prompts import PROMPTS
 from threefold.sample.params import SamplingParams
+
+from prompts import PROMPTS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 REPEATING = ["one two three four, one two three four, one two three four, one two",
@@ -126,11 +127,11 @@ def test_logprobs_n_and_stop_strings(make_llm):
     params = SamplingParams(temperature=0.0, max_tokens=20, logprobs=2, n=2, stop=["four, one two three"])
     plain = make_llm().generate(REPEATING[:1], params)[0]
     spec = make_llm(speculative_config=NGRAM).generate(REPEATING[:1], params)[0]
-    for a, b in zip(plain.outputs, spec.outputs):
+    for a, b in zip(plain.outputs, spec.outputs, strict=False):
         assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (b.token_ids, b.text, b.finish_reason,
                                                                        b.stop_reason)
         assert [sorted(p) for p in a.logprobs] == [sorted(p) for p in b.logprobs]
-        for pa, pb in zip(a.logprobs, b.logprobs):
+        for pa, pb in zip(a.logprobs, b.logprobs, strict=False):
             for token in pa:
                 assert pa[token].logprob == pytest.approx(pb[token].logprob, abs=1e-4)
     assert spec.num_accepted_tokens > 0
@@ -139,9 +140,10 @@ def test_logprobs_n_and_stop_strings(make_llm):
 def test_server_metrics_and_streaming(smollm2_fp32):
     import openai
 
-    from server_helpers import metrics
     from threefold.engine.llm_engine import EngineArgs, LLMEngine
+
     from server_harness import ServerThread
+    from server_helpers import metrics
 
     engine = LLMEngine(smollm2_fp32, EngineArgs(dtype="float32", kv_cache_memory=64 << 20, max_model_len=512,
                                                 speculative_config=NGRAM))

@@ -22,7 +22,7 @@ def context(smollm2_fp32):
     with torch.inference_mode():
         hidden = model(torch.tensor(ids), torch.arange(len(ids)), causal_attention)
         next_id = int(model.compute_logits(hidden[-1:]).argmax())
-    return ids + [next_id], hidden.clone()
+    return [*ids, next_id], hidden.clone()
 
 
 def random_heads(method, smollm2_fp32, path, num_heads=3):
@@ -90,7 +90,7 @@ def test_eagle_chain_matches_brute_force_and_is_incremental(smollm2_fp32, contex
     (again,) = proposer.propose([DraftRequest("b", tokens, 4, hidden[split - 3 :], split - 3)])
     assert again.token_ids == whole.token_ids and len(proposer.states["b"].positions) == len(hidden)
     # Without a feature for the newest token there is nothing to draft from.
-    assert proposer.propose([DraftRequest("b", tokens + [5], 4, None)])[0].token_ids == []
+    assert proposer.propose([DraftRequest("b", [*tokens, 5], 4, None)])[0].token_ids == []
     proposer.remove("b")
     assert "b" not in proposer.states
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_fixtures import greedy
 from threefold.sample.params import SamplingParams
 from threefold.spec.adaptive import StepCostModel
 from threefold.spec.config import SpeculativeConfig
@@ -15,6 +14,8 @@ from threefold.spec.decoder import Candidate, SpecDecoder
 from threefold.spec.draft_model import DenseKV
 from threefold.spec.heads import EagleHead, HeadsConfig, MedusaHeads, save_heads
 from threefold.spec.proposer import Draft, Proposer, make_proposer
+
+from model_fixtures import greedy
 
 PROMPT = "Repeat after me: one two three four, one two three four, one two three four"
 MAX_TOKENS = 24

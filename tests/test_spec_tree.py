@@ -9,10 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-from model_fixtures import dense_causal_attention
 from threefold.spec.proposer import ROOT, Draft
-from threefold.spec.tree import (accept_greedy, accept_sampling, eagle2_tree, medusa_tree, node_depths,
-                                 tree_attention, verify_mask, verify_positions)
+from threefold.spec.tree import (
+    accept_greedy,
+    accept_sampling,
+    eagle2_tree,
+    medusa_tree,
+    node_depths,
+    tree_attention,
+    verify_mask,
+    verify_positions,
+)
+
+from model_fixtures import dense_causal_attention
 
 
 def random_tree(rng: random.Random, num_nodes: int) -> list[int]:

@@ -24,7 +24,8 @@ def sequential_greedy(logits_rows, params, prompt, output, drafts):
         token = int(Sampler()(logits_rows[j : j + 1], meta).sampled_token_ids[0])
         emitted.append(token)
         if j == len(drafts) or token != drafts[j]:
-            return emitted
+            break
+    return emitted
 
 
 @pytest.mark.parametrize("params", [
@@ -45,7 +46,7 @@ def test_greedy_is_the_sequential_sampler(params):
                 if (trial + j) % 3:
                     logits[row + j, token] += 6
             row += len(draft) + 1
-        counts = [TokenCounts.for_params(params, p, o, VOCAB, "cpu") for p, o in zip(prompts, outputs)]
+        counts = [TokenCounts.for_params(params, p, o, VOCAB, "cpu") for p, o in zip(prompts, outputs, strict=False)]
         result = verify_chains(logits, drafts, [params] * 3, [len(o) for o in outputs], counts, {}, [0])
         row = 0
         for i, draft in enumerate(drafts):

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from itertools import accumulate
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 PRIOR_ACCEPTANCE = 0.5
 """A new request's acceptance rate before it has drafted (no evidence either way)."""
@@ -122,7 +122,7 @@ def choose_num_drafts(rates: list[float], max_drafts: list[int], cost: StepCostM
     """
     # For a fixed number m of extra drafts the best choice is the m largest gains a_i^j (each
     # request's gains fall with j, so the top m are prefixes); the best m is found by one scan.
-    heap = [(-rate, i) for i, (rate, most) in enumerate(zip(rates, max_drafts)) if most > 0 and rate > 0]
+    heap = [(-rate, i) for i, (rate, most) in enumerate(zip(rates, max_drafts, strict=False)) if most > 0 and rate > 0]
     heapq.heapify(heap)
     taken: list[int] = []  # request index of each increment, best first
     counts = [0] * len(rates)

@@ -148,7 +148,7 @@ class SpeculativeConfig:
             paths = [tuple(p) for p in ast.literal_eval(self.speculative_token_tree)]
         except (ValueError, SyntaxError, TypeError) as exc:
             raise ThreefoldError(f"speculative_token_tree must be a list of tuples of ranks such as "
-                                 f"\"[(0,), (1,), (0, 0)]\": {exc}", param=f"{_PARAM}.speculative_token_tree")
+                                 f"\"[(0,), (1,), (0, 0)]\": {exc}", param=f"{_PARAM}.speculative_token_tree") from exc
         return _checked_paths(paths, self.num_speculative_tokens)
 
     # ---- construction ------------------------------------------------------
@@ -175,7 +175,7 @@ class SpeculativeConfig:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
-                raise ThreefoldError(f"speculative_config is not valid JSON ({exc}): {value!r}", param=_PARAM)
+                raise ThreefoldError(f"speculative_config is not valid JSON ({exc}): {value!r}", param=_PARAM) from exc
         return cls.from_dict(value)  # type: ignore[arg-type]
 
 

@@ -112,7 +112,7 @@ class SpecDecoder:
             return {}
         eligible = [c for c in candidates if c.max_drafts > 0 and speculation_allowed(c.params)]
         ks = self._choose(eligible, base_tokens, base_emitted)
-        asked = [(c, k) for c, k in zip(eligible, ks) if k > 0]
+        asked = [(c, k) for c, k in zip(eligible, ks, strict=False) if k > 0]
         if not asked:
             return {}
         start = time.perf_counter()
@@ -120,20 +120,20 @@ class SpecDecoder:
                                         for c, k in asked])
         if self.controller is not None:  # the proposer's own cost per drafted token, measured
             self.controller.observe_draft_cost(sum(k for _, k in asked), time.perf_counter() - start)
-        return {c.request_id: d.token_ids[:k] for (c, k), d in zip(asked, drafts) if d.token_ids}
+        return {c.request_id: d.token_ids[:k] for (c, k), d in zip(asked, drafts, strict=False) if d.token_ids}
 
     def _choose(self, eligible: list[Candidate], base_tokens: int, base_emitted: int) -> list[int]:
         k_max = self.config.num_speculative_tokens
         if self.controller is None:
             return [min(k_max, c.max_drafts) for c in eligible]
         chosen = self.controller.choose([c.request_id for c in eligible], base_tokens, base_emitted)
-        return [min(k, c.max_drafts) for k, c in zip(chosen, eligible)]
+        return [min(k, c.max_drafts) for k, c in zip(chosen, eligible, strict=False)]
 
     def verify(self, request_ids: list[str], logits: Tensor, drafts: list[list[int]], params: list[SamplingParams],
                num_output_tokens: list[int], token_counts: list, generators: dict[int, torch.Generator],
                eos_token_ids: list[int]) -> VerifyResult:
         result = verify_chains(logits, drafts, params, num_output_tokens, token_counts, generators, eos_token_ids)
-        for rid, draft, accepted in zip(request_ids, drafts, result.num_accepted):
+        for rid, draft, accepted in zip(request_ids, drafts, result.num_accepted, strict=False):
             self.stats.observe(len(draft), accepted)
             self.accepted_per_request[rid] = self.accepted_per_request.get(rid, 0) + accepted
             if self.controller is not None:

@@ -140,7 +140,8 @@ class EagleProposer(Proposer):
         state = self.states.get(request.request_id)
         if state is None:
             empty = torch.empty(0, self.head.arch.num_kv_heads, self.head.arch.head_dim)
-            state = self.states[request.request_id] = _EagleState(empty, empty.clone(), torch.empty(0, dtype=torch.long))
+            no_positions = torch.empty(0, dtype=torch.long)
+            state = self.states[request.request_id] = _EagleState(empty, empty.clone(), no_positions)
         hidden = request.hidden_states
         if hidden is None or len(hidden) == 0:
             return state

@@ -81,7 +81,7 @@ class Proposer(ABC):
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         ...
 
-    def remove(self, request_id: str) -> None:
+    def remove(self, request_id: str) -> None:  # noqa: B027 -- optional hook: stateless proposers keep nothing
         """The request finished or was preempted: drop whatever is kept for it."""
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -46,7 +47,7 @@ class SpecRunner:
 
     # ---- verify --------------------------------------------------------------
     def sample(self, batch, hidden: Tensor, spec_tokens: dict[str, list[int]],
-               plain_sample: Callable[[object, Tensor], ModelRunnerOutput]) -> ModelRunnerOutput:
+               plain_sample: Callable[[Any, Tensor], ModelRunnerOutput]) -> ModelRunnerOutput:
         verifying = [i for i, s in enumerate(batch.sampling_states) if spec_tokens.get(s.request_id)]
         if not verifying:
             return plain_sample(batch, hidden)
@@ -56,7 +57,7 @@ class SpecRunner:
             sampling_states=[batch.sampling_states[i] for i in plain]), hidden)
         states = [batch.sampling_states[i] for i in verifying]
         drafts = [spec_tokens[s.request_id] for s in states]
-        rows = [r for i, d in zip(verifying, drafts) for r in range(batch.sample_rows[i] - len(d),
+        rows = [r for i, d in zip(verifying, drafts, strict=False) for r in range(batch.sample_rows[i] - len(d),
                                                                    batch.sample_rows[i] + 1)]
         logits = self.model.compute_logits(hidden[rows])  # [sum(k + 1), vocab] float32
         generators = {n: s.generator for n, s in enumerate(states) if s.generator is not None}
@@ -64,7 +65,7 @@ class SpecRunner:
                                      [s.num_output_tokens for s in states], [s.penalties for s in states],
                                      generators, self.eos_token_ids)
         offset = 0
-        for state, draft, emitted, accepted in zip(states, drafts, result.token_ids, result.num_accepted):
+        for state, draft, emitted, accepted in zip(states, drafts, result.token_ids, result.num_accepted, strict=False):
             state.token_ids.extend(emitted)
             if state.penalties is not None:
                 for token_id in emitted:
@@ -99,7 +100,7 @@ class SpecRunner:
     def _keep_hidden(self, batch, hidden: Tensor, output: ModelRunnerOutput, spec_tokens: dict[str, list[int]],
                      computed_before: dict[str, int]) -> None:
         """Hidden rows of every position that is now part of its sequence (rejected drafts' rows dropped)."""
-        for state, start, num in zip(batch.order, batch.query_starts, batch.query_lens):
+        for state, start, num in zip(batch.order, batch.query_starts, batch.query_lens, strict=False):
             rid = state.request_id
             num_drafts = len(spec_tokens.get(rid, ()))
             num_real = num - num_drafts + output.num_accepted_tokens.get(rid, 0)

@@ -50,7 +50,7 @@ def row_metadata(drafts: list[list[int]], params: list[SamplingParams], num_outp
     """SamplingMetadata over every verify row: row j of a request has emitted drafts[:j] too
     (min_tokens counts them, penalties see them: a copy of the counts per row, penalty rows only)."""
     row_params, row_outputs, row_counts = [], [], []
-    for draft, p, num_output, counts in zip(drafts, params, num_output_tokens, token_counts):
+    for draft, p, num_output, counts in zip(drafts, params, num_output_tokens, token_counts, strict=False):
         for j in range(len(draft) + 1):
             row_params.append(p)
             row_outputs.append(num_output + j)
@@ -87,13 +87,14 @@ def verify_chains(logits: Tensor, drafts: list[list[int]], params: list[Sampling
     for k, members in by_k.items():  # one rejection_sample call per draft length
         rows = torch.tensor([offsets[i] + j for i in members for j in range(k + 1)], device=logits.device)
         target = probs.index_select(0, rows).view(len(members), k + 1, -1)
-        draft_ids = torch.tensor([drafts[i] for i in members], dtype=torch.long, device=logits.device).view(len(members), k)
+        draft_ids = torch.tensor([drafts[i] for i in members], dtype=torch.long,
+                                 device=logits.device).view(len(members), k)
         greedy = [params[i].greedy for i in members]
         out = rejection_sample(draft_ids, None, target,
                                is_greedy=None if not any(greedy) else torch.tensor(greedy, device=logits.device),
                                generators={row: generators[i] for row, i in enumerate(members) if i in generators},
                                all_greedy=all(greedy))
-        for row, (ids, accepted) in enumerate(zip(out.token_ids.tolist(), out.num_accepted.tolist())):
+        for row, (ids, accepted) in enumerate(zip(out.token_ids.tolist(), out.num_accepted.tolist(), strict=False)):
             token_ids[members[row]] = ids[: accepted + 1]
             num_accepted[members[row]] = accepted
     return VerifyResult(token_ids, num_accepted)

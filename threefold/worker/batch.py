@@ -140,16 +140,15 @@ def _attention_metadata(order: list[CachedRequestState], starts: list[int], lens
                         slots: torch.Tensor, block_table: BlockTable, device: torch.device,
                         sliding_window: int | None, native_decode: bool) -> AttentionMetadata:
     block_size = block_table.block_size
-    num_decodes = sum(1 for state, n in zip(order, lens) if _is_decode(state, n))
+    num_decodes = sum(1 for state, n in zip(order, lens, strict=False) if _is_decode(state, n))
     # Every decode query is one row: a verify's k+1 queries share the request's block-table row
     # and see one more key each (its draft's, written before attention), as gpt-fast scores
     # [last, *drafts] in one call.
     query_rows = rows[:num_decodes].repeat_interleave(torch.tensor(lens[:num_decodes], dtype=torch.long))
-    contexts = [state.num_computed_tokens + j for state, n in zip(order[:num_decodes], lens) for j in range(n)]
-    if native_decode:
-        buckets = [(0, len(contexts))] if contexts else []
-    else:
-        buckets = _length_buckets(contexts, block_size)
+    contexts = [state.num_computed_tokens + j
+                for state, n in zip(order[:num_decodes], lens, strict=False) for j in range(n)]
+    one_group = [(0, len(contexts))] if contexts else []
+    buckets = one_group if native_decode else _length_buckets(contexts, block_size)
     groups = [_decode_group(contexts[lo:hi], query_rows[lo:hi], lo, block_table, device, sliding_window,
                             with_mask=not native_decode)
               for lo, hi in buckets]
