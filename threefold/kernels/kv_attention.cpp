@@ -26,20 +26,13 @@
 #include <limits>
 #include <vector>
 
+#include "kernel_common.h"
+
 namespace {
 
 enum Kind : int64_t { kInt8 = 0, kFp8 = 1, kInt4 = 2 };
 
-template <typename T>
-inline float load(T x) { return static_cast<float>(x); }
-
-template <>
-inline float load<at::BFloat16>(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using threefold::to_float;  // kernel_common.h: bf16 widened by a shift
 
 // One cache side (K or V): the row at (block, offset, head) decoded into `dst` [d] fp32.
 struct Side {
@@ -120,7 +113,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const Side& ks, const Side&
       const int64_t* table = tables + b * a.table_width;
       for (int64_t g = 0; g < a.group; ++g) {
         const T* src = q_ptr + b * q_seq + (kvh * a.group + g) * q_head;
-        for (int64_t i = 0; i < a.head_dim; ++i) qf[g * a.head_dim + i] = load(src[i]) * fscale;
+        for (int64_t i = 0; i < a.head_dim; ++i) qf[g * a.head_dim + i] = to_float(src[i]) * fscale;
       }
       // body(t, row index) for keys t = 0..n-1 (positions first..len-1), one table walk.
       auto for_each_row = [&](auto&& body) {
