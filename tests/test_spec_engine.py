@@ -169,6 +169,6 @@ def test_llm_takes_speculative_config_and_refuses_a_bad_one():
         LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 0})  # refused before the model loads
     assert info.value.param == "speculative_config.num_speculative_tokens"
     llm = LLM(dtype="float32", kv_cache_memory=64 << 20, max_model_len=256,
-              speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+              speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}')
     out = llm.generate([REPEATING[0]], SamplingParams(temperature=0.0, max_tokens=12))[0]
     assert out.num_accepted_tokens > 0
