@@ -81,6 +81,13 @@ class SpeculativeConfig:
                  f"disable_by_batch_size must be a positive integer or null, got {self.disable_by_batch_size!r}.",
                  "disable_by_batch_size")
 
+    @property
+    def model_path(self) -> str:
+        """`model`, for the methods whose validation requires it."""
+        if self.model is None:
+            raise ThreefoldError(f"method {self.method!r} needs model.", param="speculative_config.model")
+        return self.model
+
     def _check_model(self) -> None:
         if self.method == "ngram":
             _require(self.model is None, f"method 'ngram' drafts from the context and takes no model; "

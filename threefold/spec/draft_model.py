@@ -70,7 +70,7 @@ class DraftModelProposer(Proposer):
     def from_config(cls, config: SpeculativeConfig, target=None) -> DraftModelProposer:
         from threefold.model.loader import load_model
 
-        draft = load_model(config.model, dtype=target.precision.name, max_model_len=target.max_model_len)
+        draft = load_model(config.model_path, dtype=target.precision.name, max_model_len=target.max_model_len)
         check_compatible(target, draft)
         return cls(draft)
 

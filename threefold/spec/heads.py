@@ -80,6 +80,9 @@ class EagleHead(nn.Module):
     """fc(concat(embed(x_{t+1}), f_t)) -> one decoder layer -> f_hat_{t+1} (no final norm:
     the target's f is already normed and the LM head reads it as is)."""
 
+    rope_cos: Tensor
+    rope_sin: Tensor
+
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
         hidden = arch.hidden_size
@@ -100,7 +103,7 @@ class EagleHead(nn.Module):
         (x_{t+1}'s position) -> predicted f_{t+1} [T, hidden]."""
         x = self.fc(torch.cat([token_embeds, features], dim=-1))
         rotary = _Rotary(self.rope_cos[positions].to(x.dtype)[:, None], self.rope_sin[positions].to(x.dtype)[:, None])
-        hidden, residual = self.layer(x, None, rotary, attention)  # type: ignore[arg-type]
+        hidden, residual = self.layer(x, None, rotary, attention)
         return hidden + residual
 
 

@@ -41,7 +41,8 @@ class MedusaProposer(Proposer):
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, target=None) -> MedusaProposer:
-        _, heads = load_heads(config.model, target.config, target.name, "medusa")
+        _, heads = load_heads(config.model_path, target.config, target.name, "medusa")
+        assert isinstance(heads, MedusaHeads)  # load_heads checked the method
         if config.num_speculative_tokens > heads.num_heads:
             raise ThreefoldError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds the "
                                  f"{heads.num_heads} Medusa heads in {config.model}.",
@@ -51,10 +52,12 @@ class MedusaProposer(Proposer):
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafts = [Draft([]) for _ in requests]
-        rows = [i for i, r in enumerate(requests) if r.hidden_states is not None and len(r.hidden_states)]
-        if not rows:
+        last = [(i, r.hidden_states[-1]) for i, r in enumerate(requests)
+                if r.hidden_states is not None and len(r.hidden_states)]
+        if not last:
             return drafts
-        features = torch.stack([requests[i].hidden_states[-1] for i in rows]).float()  # [M, hidden]
+        rows = [i for i, _ in last]
+        features = torch.stack([h for _, h in last]).float()  # [M, hidden]
         logits = _logits(self.target_model, self.heads(features))  # [num_heads, M, vocab]
         if self.paths is None:
             choices = logits.argmax(-1).T.tolist()  # [M, num_heads]
@@ -87,8 +90,8 @@ class _CaptureAttention:
     def __init__(self, past_k: Tensor, past_v: Tensor, past_visible: Tensor, self_mask: Tensor, scale: float):
         self.past_k, self.past_v, self.past_visible, self.self_mask, self.scale = (
             past_k, past_v, past_visible, self_mask, scale)
-        self.k: Tensor | None = None
-        self.v: Tensor | None = None
+        self.k: Tensor = past_k[:0]  # set by the call
+        self.v: Tensor = past_v[:0]
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.k, self.v = k.contiguous(), v.contiguous()
@@ -108,7 +111,8 @@ class EagleProposer(Proposer):
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, target=None) -> EagleProposer:
-        _, head = load_heads(config.model, target.config, target.name, "eagle")
+        _, head = load_heads(config.model_path, target.config, target.name, "eagle")
+        assert isinstance(head, EagleHead)  # load_heads checked the method
         return cls(head, target.model, config.tree_top_k, config.tree_total_tokens)
 
     def remove(self, request_id: str) -> None:
@@ -179,8 +183,9 @@ class EagleProposer(Proposer):
         past_visible = torch.cat([torch.ones(len(frontier), len(state.positions), dtype=torch.bool), visible], 1)
         capture = _CaptureAttention(past_k, past_v, past_visible, torch.eye(len(frontier), dtype=torch.bool),
                                     self.scale)
-        parent_features = torch.stack([state.root_feature if parents[n] == ROOT else features[parents[n]]
-                                       for n in frontier])
+        root = state.root_feature
+        assert root is not None  # propose() refreshed it before expanding
+        parent_features = torch.stack([root if parents[n] == ROOT else features[parents[n]] for n in frontier])
         positions = torch.tensor([last + depths[n] for n in frontier])
         predicted = self.head(parent_features, self._embed(torch.tensor([tokens[n] for n in frontier])),
                               positions, capture)

@@ -146,8 +146,11 @@ def train(method: str, loaded, out_dir: Path | None, num_tokens: int = 200_000, 
     lm_head, embed = model.lm_head.weight, model.embed_tokens.weight
     losses, accuracies = [], []
     for step, seq in zip(range(steps), itertools.cycle(data)):
-        loss, accuracy = (medusa_loss(heads, lm_head, seq) if method == "medusa"
-                          else eagle_loss(heads, embed, lm_head, seq))
+        if isinstance(heads, MedusaHeads):
+            loss, accuracy = medusa_loss(heads, lm_head, seq)
+        else:
+            assert isinstance(heads, EagleHead)
+            loss, accuracy = eagle_loss(heads, embed, lm_head, seq)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)

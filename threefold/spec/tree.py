@@ -138,7 +138,8 @@ def _rerank(tokens: list[int], parents: list[int], scores: list[float], total: i
 def accept_greedy(draft: Draft, target_argmax: Sequence[int]) -> tuple[list[int], int]:
     """Greedy: follow the child whose token is the target's argmax at its parent's row.
     target_argmax [N+1] (row 0 = root). Returns (accepted node ids root-down, next token)."""
-    children, path, row = children_of(draft.parent_ids or []), [], 0
+    children, row = children_of(draft.parent_ids or []), 0
+    path: list[int] = []
     node = ROOT
     while True:
         want = target_argmax[row]
@@ -156,7 +157,8 @@ def accept_sampling(draft: Draft, target_probs: Tensor, generator: torch.Generat
     accepting child x with probability p(x) under the current residual p; a rejected x gets
     p(x) = 0 and p is renormalised; if none is accepted the token is drawn from the residual.
     Each emitted token is therefore distributed as the target's p. target_probs [N+1, V]."""
-    children, path, row = children_of(draft.parent_ids or []), [], 0
+    children, row = children_of(draft.parent_ids or []), 0
+    path: list[int] = []
     node = ROOT
     while True:
         residual = target_probs[row].double().clone()
