@@ -12,7 +12,7 @@
 //   scales [num_blocks, block_size, kv_heads, groups]   fp32   (int8/fp8: groups = 1)
 //   zeros  [num_blocks, block_size, kv_heads, groups]   fp32   (int4 only)
 //
-// Work item = (sequence, kv head), as in cpu_kernels.cpp's dense kernel: pass 1 scores, an
+// Work item = (sequence, kv head), as in decode_attention.cpp's dense kernel: pass 1 scores, an
 // fp32 softmax, pass 2 the weighted sum of V. A prefill chunk reading its context runs through
 // the same kernel as q_len rows sharing one block table (row i sees context + i + 1 keys).
 

@@ -1,0 +1,150 @@
+// Decode attention: the pieces every vector path shares, and the generic path (any head_dim,
+// fp32 or bf16) that the compiler vectorizes. Included by decode_attention.cpp only.
+#pragma once
+
+#include "kernel_common.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+using threefold::to_float;
+
+namespace {
+
+// D > 0: head_dim known at compile time (fully unrolled, vectorized without
+// epilogues); D == 0: the runtime `d`.
+template <int D, typename T>
+inline void widen(const T* __restrict src, float* __restrict dst, int64_t d) {
+  const int64_t n = D > 0 ? D : d;
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+template <int D>
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
+  const int64_t n = D > 0 ? D : d;
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];  // vectorized: -ffast-math allows reassociation
+  return sum;
+}
+
+template <int D>
+inline void axpy(float a, const float* __restrict x, float* __restrict acc, int64_t d) {
+  const int64_t n = D > 0 ? D : d;
+  for (int64_t i = 0; i < n; ++i) acc[i] += a * x[i];
+}
+
+// One decode-attention call's operands as raw pointers and element strides; the cache is
+// [num_blocks, block_size, kv_heads, head_dim] with contiguous rows.
+template <typename T>
+struct DecodeArgs {
+  int64_t num_seqs, num_heads, head_dim, block_size, num_kv_heads, group, table_width;
+  int64_t q_seq, q_head, o_seq, o_head, kv_block, kv_token, kv_head;
+  const T* q_ptr;
+  const T* k_ptr;
+  const T* v_ptr;
+  T* out_ptr;
+  const int64_t* tables;
+  const int64_t* lens;
+  float fscale;
+
+  DecodeArgs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale)
+      : num_seqs(q.size(0)), num_heads(q.size(1)), head_dim(q.size(2)), block_size(k_cache.size(1)),
+        num_kv_heads(k_cache.size(2)), group(num_heads / num_kv_heads), table_width(block_tables.size(1)),
+        q_seq(q.stride(0)), q_head(q.stride(1)), o_seq(out.stride(0)), o_head(out.stride(1)),
+        kv_block(k_cache.stride(0)), kv_token(k_cache.stride(1)), kv_head(k_cache.stride(2)),
+        q_ptr(q.data_ptr<T>()), k_ptr(k_cache.data_ptr<T>()), v_ptr(v_cache.data_ptr<T>()),
+        out_ptr(out.data_ptr<T>()), tables(block_tables.data_ptr<int64_t>()), lens(seq_lens.data_ptr<int64_t>()),
+        fscale(static_cast<float>(scale)) {}
+};
+
+// The work items (sequence, kv head) cut into up to 8 parts per thread of equal cost (keys
+// read plus a fixed per-item cost); returns the parts' item bounds. The runner sorts decodes
+// by context length, so an even split by count would hand one thread all the long ones.
+inline std::vector<int64_t> split_by_cost(const int64_t* lens, int64_t num_seqs, int64_t num_kv_heads,
+                                          int64_t window, int64_t item_cost) {
+  const int64_t num_items = num_seqs * num_kv_heads;
+  std::vector<int64_t> cost_prefix(num_items + 1, 0);
+  for (int64_t item = 0; item < num_items; ++item) {
+    const int64_t len = lens[item / num_kv_heads];
+    cost_prefix[item + 1] = cost_prefix[item] + (window > 0 ? std::min(len, window) : len) + item_cost;
+  }
+  const int64_t num_parts = std::min<int64_t>(num_items, 8 * at::get_num_threads());
+  std::vector<int64_t> bounds(num_parts + 1, num_items);
+  bounds[0] = 0;
+  for (int64_t part = 1, item = 0; part < num_parts; ++part) {
+    const int64_t target = cost_prefix[num_items] * part / num_parts;
+    while (item < num_items && cost_prefix[item] < target) ++item;
+    bounds[part] = item;
+  }
+  return bounds;
+}
+
+template <int D, typename T>
+void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window) {
+  const DecodeArgs<T> a(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+  const std::vector<int64_t> bounds = split_by_cost(a.lens, a.num_seqs, a.num_kv_heads, window, 16);
+  const int64_t num_parts = static_cast<int64_t>(bounds.size()) - 1;
+
+  at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    std::vector<float> qf(a.group * a.head_dim), acc(a.group * a.head_dim), row(a.head_dim), scores;
+    for (int64_t item = bounds[part_begin]; item < bounds[part_end]; ++item) {
+      const int64_t b = item / a.num_kv_heads, kvh = item % a.num_kv_heads;
+      const int64_t len = a.lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      const int64_t* table = a.tables + b * a.table_width;
+      for (int64_t g = 0; g < a.group; ++g) {
+        const T* src = a.q_ptr + b * a.q_seq + (kvh * a.group + g) * a.q_head;
+        for (int64_t i = 0; i < a.head_dim; ++i) qf[g * a.head_dim + i] = to_float(src[i]) * a.fscale;
+      }
+      // body(t, row) for the keys t = 0..n-1 (positions first..len-1), walking the block
+      // table once: no division per row.
+      auto for_each_row = [&](const T* cache, auto&& body) {
+        for (int64_t pos = first; pos < len;) {
+          const int64_t blk = pos / a.block_size;
+          const int64_t end_in_block = std::min(a.block_size, len - blk * a.block_size);
+          const T* base = cache + table[blk] * a.kv_block + kvh * a.kv_head;
+          for (int64_t off = pos - blk * a.block_size; off < end_in_block; ++off, ++pos) {
+            body(pos - first, base + off * a.kv_token);
+          }
+        }
+      };
+      scores.assign(a.group * n, 0.f);
+      // Pass 1: scores[g, t] for every key, each K row loaded (and widened) once for the G heads.
+      for_each_row(a.k_ptr, [&](int64_t t, const T* krow) {
+        widen<D>(krow, row.data(), a.head_dim);
+        for (int64_t g = 0; g < a.group; ++g) scores[g * n + t] = dot<D>(qf.data() + g * a.head_dim, row.data(), a.head_dim);
+      });
+      // Softmax per head in fp32; the 1 / sum is folded into the output.
+      std::vector<float> inv_sum(a.group);
+      for (int64_t g = 0; g < a.group; ++g) {
+        float* s = scores.data() + g * n;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - mx);  // vectorized (libmvec)
+        for (int64_t t = 0; t < n; ++t) sum += s[t];
+        inv_sum[g] = 1.f / sum;
+      }
+      // Pass 2: acc[g] = sum_t p[g, t] * V[t], each V row loaded once.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for_each_row(a.v_ptr, [&](int64_t t, const T* vrow) {
+        widen<D>(vrow, row.data(), a.head_dim);
+        for (int64_t g = 0; g < a.group; ++g) axpy<D>(scores[g * n + t], row.data(), acc.data() + g * a.head_dim, a.head_dim);
+      });
+      for (int64_t g = 0; g < a.group; ++g) {
+        T* dst = a.out_ptr + b * a.o_seq + (kvh * a.group + g) * a.o_head;
+        for (int64_t i = 0; i < a.head_dim; ++i) dst[i] = static_cast<T>(acc[g * a.head_dim + i] * inv_sum[g]);
+      }
+    }
+  });
+}
+
+}  // namespace
