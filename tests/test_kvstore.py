@@ -1,0 +1,255 @@
+"""The tiered KV store (threefold/kvstore): config, keys, frames, and each tier on real media — host
+memory, a tmp directory, and a real redis-server on loopback (tests/redis_fixture.py). No model needed:
+payloads are random bytes, compared bit for bit."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+
+import pytest
+
+from threefold.errors import ThreefoldError
+from threefold.kvstore import FORMAT_VERSION, Namespace, OffloadConfig, TieredKVStore, add_offload_args
+from threefold.kvstore.config import parse_bytes
+from threefold.kvstore.frame import OVERHEAD, FrameError, decode, encode
+from threefold.kvstore.memory import MemoryTier
+
+NS = Namespace("weights-sha:abc", "auto", 16)
+
+
+def block(i: int, size: int = 4096) -> tuple[bytes, bytes]:
+    """(block hash, payload): a 32-byte hash and random bytes, distinct per i."""
+    return i.to_bytes(32, "little"), os.urandom(size)
+
+
+def make_store(**config) -> TieredKVStore:
+    return TieredKVStore(OffloadConfig(**config), NS)
+
+
+# ---- config ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("4GiB", 4 << 30), ("50GB", 50 * 10**9), ("512mib", 512 << 20), ("1.5KiB", 1536), ("1000", 1000),
+    (2048, 2048), ("0", 0), ("7 MB", 7 * 10**6)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text, "kv_offload_cpu_bytes") == expected
+
+
+@pytest.mark.parametrize("text", ["4G", "lots", "-1", "1e9", "", "GiB"])
+def test_parse_bytes_refuses_ambiguous_or_bad_sizes(text):
+    with pytest.raises(ThreefoldError, match="kv_offload_cpu_bytes") as info:
+        parse_bytes(text, "kv_offload_cpu_bytes")
+    assert info.value.param == "kv_offload_cpu_bytes"
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"redis_url": "http://127.0.0.1:6379"}, "kv_offload_redis"),
+    ({"redis_url": "redis://host:notaport"}, "kv_offload_redis"),
+    ({"codec": "int3"}, "kv_offload_codec"),
+    ({"cpu_bytes": "-5"}, "kv_offload_cpu_bytes"),
+    ({"disk_dir": "/tmp/x", "disk_bytes": 0}, "kv_offload_disk_bytes")])
+def test_config_validation_names_the_bad_option(kwargs, param):
+    with pytest.raises(ThreefoldError) as info:
+        OffloadConfig(**kwargs)
+    assert info.value.param == param
+
+
+def test_config_defaults_and_enabled():
+    assert not OffloadConfig().enabled
+    config = OffloadConfig(cpu_bytes="1GiB", codec="int4")
+    assert config.enabled and config.cpu_bytes == 1 << 30 and config.codec == "int4:group=32"
+    assert OffloadConfig(redis_url="redis://127.0.0.1:6379/2").enabled
+
+
+def test_yaml_and_flags(tmp_path):
+    path = tmp_path / "offload.yaml"
+    path.write_text("cpu_bytes: 4GiB\nkv_offload_disk: /data/kv\ndisk_bytes: 50GB\n"
+                    "redis_url: redis://127.0.0.1:6379\ncodec: int8\n")
+    config = OffloadConfig.from_yaml(path)
+    assert config == OffloadConfig(cpu_bytes=4 << 30, disk_dir="/data/kv", disk_bytes=50 * 10**9,
+                                   redis_url="redis://127.0.0.1:6379", codec="int8")
+    parser = argparse.ArgumentParser()
+    add_offload_args(parser)
+    ns = parser.parse_args(["--kv-offload-config", str(path), "--kv-offload-cpu-bytes", "1MiB",
+                            "--kv-offload-codec", "fp8"])
+    overridden = OffloadConfig.from_args(ns)  # the flags win over the file
+    assert (overridden.cpu_bytes, overridden.codec, overridden.disk_dir) == (1 << 20, "fp8_e4m3", "/data/kv")
+    assert OffloadConfig.from_args(parser.parse_args([])) == OffloadConfig()
+
+
+@pytest.mark.parametrize("text,match", [("cpu_byte: 1GiB\n", "unknown key 'cpu_byte'"), ("- a\n", "mapping"),
+                                        ("a: [\n", "not valid YAML")])
+def test_bad_yaml(tmp_path, text, match):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ThreefoldError, match=match):
+        OffloadConfig.from_yaml(path)
+    with pytest.raises(ThreefoldError, match="cannot read"):
+        OffloadConfig.from_yaml(tmp_path / "missing.yaml")
+
+
+# ---- keys and frames -------------------------------------------------------------
+
+
+def test_namespace_separates_everything_a_block_depends_on():
+    variants = [NS, Namespace("weights-sha:abd", "auto", 16), Namespace("weights-sha:abc", "int8", 16),
+                Namespace("weights-sha:abc", "auto", 32), Namespace("weights-sha:abc", "auto", 16, FORMAT_VERSION + 1)]
+    assert len({ns.digest for ns in variants}) == len(variants)
+    assert Namespace("weights-sha:abc", "auto", 16).digest == NS.digest  # stable across processes
+    assert NS.key(b"h" * 32) == NS.digest + b"h" * 32
+
+
+def test_frame_round_trip_and_every_corruption_is_refused():
+    payload = os.urandom(1000)
+    record = encode(payload, NS.digest, FORMAT_VERSION)
+    assert len(record) == len(payload) + OVERHEAD
+    assert decode(record, NS.digest, FORMAT_VERSION) == payload
+    flipped = bytearray(record)
+    flipped[OVERHEAD + 10] ^= 0x01
+    cases = {"checksum": bytes(flipped), "truncated": record[:-1], "bad_magic": b"XXXX" + record[4:],
+             "namespace": encode(payload, Namespace("other", "auto", 16).digest, FORMAT_VERSION),
+             "version": encode(payload, NS.digest, FORMAT_VERSION + 1)}
+    for reason, bad in [*cases.items(), ("truncated", record[:10]), ("truncated", record + b"\0")]:
+        with pytest.raises(FrameError) as info:
+            decode(bad, NS.digest, FORMAT_VERSION)
+        assert info.value.reason == reason
+
+
+# ---- memory tier and the store over it --------------------------------------------
+
+
+def test_memory_tier_is_lru_by_bytes():
+    tier = MemoryTier(capacity_bytes=1000)
+    tier.put(b"a", b"1" * 400)
+    tier.put(b"b", b"2" * 400)
+    assert tier.get(b"a") == b"1" * 400  # a is now the most recent
+    tier.put(b"c", b"3" * 300)  # 1100 > 1000: evicts b, the least recently used
+    assert tier.keys() == [b"a", b"c"] and tier.used_bytes == 700 and tier.num_evicted == 1
+    tier.put(b"d", b"4" * 1001)  # larger than the tier: not stored, nothing evicted
+    assert tier.keys() == [b"a", b"c"]
+    tier.put(b"e", b"5" * 1000)
+    assert tier.keys() == [b"e"] and tier.used_bytes == 1000
+
+
+def test_store_over_memory_round_trips_and_looks_up_the_prefix():
+    with make_store(cpu_bytes=64 << 10) as store:
+        blocks = [block(i) for i in range(4)]
+        for block_hash, payload in blocks[:3]:
+            store.put(block_hash, payload)
+        hashes = [h for h, _ in blocks]
+        assert store.lookup(hashes) == ["cpu", "cpu", "cpu"]
+        assert store.lookup([hashes[3], *hashes[:3]]) == []  # stops at the first miss
+        assert store.get(hashes[1]) == ("cpu", blocks[1][1])
+        assert store.get(hashes[3]) is None
+        stats = store.stats().tiers["cpu"]
+        assert (stats.hits, stats.misses, stats.bytes_read, stats.used_bytes) == (1, 1, 4096, 3 * 4096)
+
+
+def test_another_namespace_never_hits_in_memory():
+    config = OffloadConfig(cpu_bytes=64 << 10)
+    tier = MemoryTier(64 << 10)
+    block_hash, payload = block(0)
+    with TieredKVStore(config, NS, tiers=[tier]) as mine:
+        mine.put(block_hash, payload)
+        with TieredKVStore(config, Namespace("weights-sha:abc", "int8", 16), tiers=[tier]) as other:
+            assert other.lookup([block_hash]) == [] and other.get(block_hash) is None
+        assert mine.get(block_hash) == ("cpu", payload)
+
+
+def test_bandwidth_starts_at_a_prior_and_follows_reads():
+    with make_store(cpu_bytes=1 << 20) as store:
+        prior = store.bandwidth("cpu")
+        assert prior > 1e9
+        block_hash, payload = block(0, 256 << 10)
+        store.put(block_hash, payload)
+        store.get(block_hash)
+        assert store.bandwidth("cpu") != prior and store.stats().tiers["cpu"].load_seconds > 0
+
+
+# ---- disk tier -----------------------------------------------------------------------
+
+
+def test_disk_round_trip_lru_and_restart(tmp_path):
+    record = 4096 + OVERHEAD
+    with make_store(disk_dir=str(tmp_path), disk_bytes=3 * record) as store:
+        blocks = [block(i) for i in range(4)]
+        for block_hash, payload in blocks[:3]:
+            store.put(block_hash, payload)
+            store.flush()
+            time.sleep(0.01)  # distinct mtimes: the restart index orders by them
+        assert store.get(blocks[0][0]) == ("disk", blocks[0][1])  # 0 is now the most recent
+        store.put(*blocks[3])
+        assert store.flush(10)
+        hashes = [h for h, _ in blocks]
+        assert [store.lookup([h]) for h in hashes] == [["disk"], [], ["disk"], ["disk"]]  # 1 was evicted
+        files = sorted(p.name for p in tmp_path.rglob("*.kv"))
+        assert len(files) == 3 and not list(tmp_path.rglob(".tmp-*"))
+    with make_store(disk_dir=str(tmp_path), disk_bytes=3 * record) as restarted:
+        assert restarted.get(hashes[3]) == ("disk", blocks[3][1])
+        assert restarted.tiers[0].keys() == [NS.key(h) for h in (hashes[2], hashes[0], hashes[3])]
+    with TieredKVStore(OffloadConfig(disk_dir=str(tmp_path)), Namespace("weights-sha:NEW", "auto", 16)) as other:
+        assert other.lookup(hashes) == [] and other.get(hashes[0]) is None  # new weights: no stale KV
+
+
+@pytest.mark.parametrize("damage,reason", [("flip", "checksum"), ("truncate", "truncated")])
+def test_corrupt_disk_block_is_detected_deleted_and_counted(tmp_path, damage, reason):
+    with make_store(disk_dir=str(tmp_path)) as store:
+        block_hash, payload = block(0)
+        store.put(block_hash, payload)
+        store.flush()
+        (path,) = tmp_path.rglob("*.kv")
+        data = bytearray(path.read_bytes())
+        if damage == "flip":
+            data[OVERHEAD + 100] ^= 0xFF
+        else:
+            del data[len(data) // 2:]
+        path.write_bytes(bytes(data))
+        assert store.get(block_hash) is None
+        assert not path.exists() and store.lookup([block_hash]) == []
+        assert store.stats().tiers["disk"].faults == {reason: 1}
+
+
+def test_unwritable_disk_dir_warns_disables_the_tier_and_recovers(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("a regular file: no directory can be made under it, even by root")
+    with caplog.at_level(logging.WARNING), make_store(cpu_bytes=1 << 20, disk_dir=str(blocker / "kv")) as store:
+        assert "not usable" in caplog.text
+        block_hash, payload = block(0)
+        store.put(block_hash, payload)
+        store.flush()
+        assert store.get(block_hash) == ("cpu", payload)  # the other tiers serve
+        assert store.stats().tiers["disk"].writes == 0
+        blocker.unlink()
+        blocker.mkdir()  # the fault ends: the tier opens on a later try
+        deadline = time.monotonic() + 10
+        while store.stats().tiers["disk"].writes == 0 and time.monotonic() < deadline:
+            store.put(*block(1))
+            store.flush()
+            time.sleep(0.05)
+        assert store.stats().tiers["disk"].writes >= 1
+        assert list((blocker / "kv").rglob("*.kv"))
+
+
+def test_chain_promotes_a_lower_hit_upwards(tmp_path):
+    with make_store(cpu_bytes=1 << 20, disk_dir=str(tmp_path)) as store:
+        block_hash, payload = block(0)
+        store.put(block_hash, payload)
+        store.flush()
+        memory = store.tiers[0]
+        memory.delete(NS.key(block_hash))
+        assert store.lookup([block_hash]) == ["disk"]
+        assert store.get(block_hash) == ("disk", payload)
+        assert store.lookup([block_hash]) == ["cpu"]  # promoted
+        stats = store.stats().tiers
+        assert (stats["cpu"].misses, stats["disk"].hits) == (1, 1)
+
+
+def test_a_full_writer_queue_drops_and_counts(tmp_path):
+    with TieredKVStore(OffloadConfig(disk_dir=str(tmp_path)), NS, max_pending_bytes=1000) as store:
+        store.put(*block(0, 4096))
+        store.flush()
+        assert store.stats().dropped_writes == 1 and not list(tmp_path.rglob("*.kv"))

@@ -1,0 +1,69 @@
+"""L2: blocks in host memory, least recently used first out, sized in bytes."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from threefold.kvstore.tier import Tier
+
+
+class MemoryTier(Tier):
+    """An LRU map of key -> payload bytes. Values are the engine's own bytes objects, kept unframed:
+    nothing outside this process can touch them."""
+
+    name = "cpu"
+    framed = False
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self._capacity = capacity_bytes
+        self._used = 0
+        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()  # oldest first
+        self._lock = threading.Lock()
+        self.num_evicted = 0
+
+    def get(self, key: bytes) -> bytes | None:
+        with self._lock:
+            value = self._blocks.get(key)
+            if value is not None:
+                self._blocks.move_to_end(key)
+            return value
+
+    def put(self, key: bytes, value: bytes) -> None:
+        """Insert or refresh; evicts the least recently used until it fits. A value larger than the
+        whole tier is not stored (it would evict everything and still not fit)."""
+        if len(value) > self._capacity:
+            return
+        with self._lock:
+            old = self._blocks.pop(key, None)
+            if old is not None:
+                self._used -= len(old)
+            while self._used + len(value) > self._capacity:
+                _, evicted = self._blocks.popitem(last=False)
+                self._used -= len(evicted)
+                self.num_evicted += 1
+            self._blocks[key] = value
+            self._used += len(value)
+
+    def delete(self, key: bytes) -> None:
+        with self._lock:
+            old = self._blocks.pop(key, None)
+            if old is not None:
+                self._used -= len(old)
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        with self._lock:
+            return [key in self._blocks for key in keys]
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def keys(self) -> list[bytes]:
+        """Oldest first (tests assert the LRU order)."""
+        with self._lock:
+            return list(self._blocks)
