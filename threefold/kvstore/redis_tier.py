@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
@@ -35,11 +36,12 @@ class RedisTier(Tier):
     def __init__(self, url: str, backoff: Backoff | None = None, socket_timeout: float = SOCKET_TIMEOUT_S) -> None:
         self.url = url
         self._backoff = backoff or Backoff()
-        # One quick retry without a pause: it replaces a pooled connection that a Redis restart closed.
-        # redis-py's default retries three times with growing sleeps, which would stall the engine.
+        # One quick retry of a connection error, without a pause: it replaces a pooled connection that a
+        # Redis restart closed. A timeout is not retried (the server is slow: waiting again is worse than
+        # recomputing), and redis-py's default, three retries with growing sleeps, would stall the engine.
+        retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
         self._client = redis.Redis.from_url(url, socket_timeout=socket_timeout,
-                                            socket_connect_timeout=socket_timeout,
-                                            retry=Retry(NoBackoff(), 1), max_connections=8)
+                                            socket_connect_timeout=socket_timeout, retry=retry, max_connections=8)
         try:
             self._client.ping()
         except (RedisError, OSError) as exc:
