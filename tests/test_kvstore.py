@@ -360,3 +360,34 @@ def test_a_hung_redis_times_out_quickly_and_counts(redis_server):
             redis_server.process.send_signal(signal.SIGCONT)
         stats = store.stats().tiers["redis"]
         assert stats.faults == {"timeout": 1} and stats.skipped == 1
+
+
+# ---- metrics ---------------------------------------------------------------------------
+
+
+def test_metrics_render_per_tier_counters(tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from threefold.kvstore.metrics import KVOffloadCollector
+
+    with make_store(cpu_bytes=1 << 20, disk_dir=str(tmp_path)) as store:
+        registry = CollectorRegistry()
+        registry.register(KVOffloadCollector(store.stats, "smollm2", NS.block_size))
+        block_hash, payload = block(0)
+        store.put(block_hash, payload)
+        store.flush()
+        store.tiers[0].delete(NS.key(block_hash))
+        store.get(block_hash)  # cpu miss, disk hit
+        (path,) = tmp_path.rglob("*.kv")
+        path.write_bytes(b"junk")
+        store.tiers[0].delete(NS.key(block_hash))
+        store.get(block_hash)  # cpu miss, disk corrupt
+        text = generate_latest(registry).decode()
+    for line in ('threefold:kv_offload_hits_total{model_name="smollm2",tier="disk"} 1.0',
+                 'threefold:kv_offload_misses_total{model_name="smollm2",tier="cpu"} 2.0',
+                 'threefold:kv_offload_hit_tokens_total{model_name="smollm2",tier="disk"} 16.0',
+                 'threefold:kv_offload_faults_total{kind="truncated",model_name="smollm2",tier="disk"} 1.0',
+                 f'threefold:kv_offload_read_bytes_total{{model_name="smollm2",tier="disk"}} {4096.0}',
+                 'threefold:kv_offload_capacity_bytes{model_name="smollm2",tier="cpu"} 1.048576e+06',
+                 'threefold:kv_offload_dropped_writes_total{model_name="smollm2"} 0.0'):
+        assert line in text, line
