@@ -118,13 +118,13 @@ class DiskTier(Tier):
             os.utime(path)
         return data
 
-    def put(self, key: bytes, value: bytes) -> None:
+    def put(self, key: bytes, value: bytes) -> bool:
         if not self.available():
             raise TierFault("skipped", "disk tier unusable")
         if not self._backoff.ready():
             raise TierFault("skipped", "backing off after a write fault")
         if len(value) > self._capacity or key in self._index:
-            return
+            return False  # same key, same bytes: the key names the weights, codec and tokens
         try:
             self._make_room(len(value))
             self._write_atomically(self.path_of(key), value)
@@ -136,6 +136,7 @@ class DiskTier(Tier):
             if key not in self._index:
                 self._index[key] = len(value)
                 self._used += len(value)
+        return True
 
     def delete(self, key: bytes) -> None:
         self._forget(key)

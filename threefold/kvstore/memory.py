@@ -29,11 +29,11 @@ class MemoryTier(Tier):
                 self._blocks.move_to_end(key)
             return value
 
-    def put(self, key: bytes, value: bytes) -> None:
+    def put(self, key: bytes, value: bytes) -> bool:
         """Insert or refresh; evicts the least recently used until it fits. A value larger than the
         whole tier is not stored (it would evict everything and still not fit)."""
         if len(value) > self._capacity:
-            return
+            return False
         with self._lock:
             old = self._blocks.pop(key, None)
             if old is not None:
@@ -44,6 +44,7 @@ class MemoryTier(Tier):
                 self.num_evicted += 1
             self._blocks[key] = value
             self._used += len(value)
+        return True
 
     def delete(self, key: bytes) -> None:
         with self._lock:

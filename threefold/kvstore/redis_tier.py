@@ -69,8 +69,9 @@ class RedisTier(Tier):
         value = self._call("GET", self._client.get, KEY_PREFIX + key)
         return bytes(value) if value is not None else None
 
-    def put(self, key: bytes, value: bytes) -> None:
+    def put(self, key: bytes, value: bytes) -> bool:
         self._call("SET", self._client.set, KEY_PREFIX + key, value)
+        return True
 
     def delete(self, key: bytes) -> None:
         self._call("DEL", self._client.delete, KEY_PREFIX + key)

@@ -190,11 +190,12 @@ class TieredKVStore:
         value = payload if not tier.framed else record
         assert value is not None
         try:
-            tier.put(key, value)
+            written = tier.put(key, value)
         except TierFault as fault:
             self._book.fault(tier.name, fault.kind)
             return
-        self._book.wrote(tier.name, len(value))
+        if written:
+            self._book.wrote(tier.name, len(value))
 
     def _enqueue(self, key: bytes, payload: bytes, targets: list[Tier]) -> None:
         with self._cond:

@@ -36,7 +36,8 @@ class Tier(ABC):
     def get(self, key: bytes) -> bytes | None: ...
 
     @abstractmethod
-    def put(self, key: bytes, value: bytes) -> None: ...
+    def put(self, key: bytes, value: bytes) -> bool:
+        """Store a value; False when there was nothing to write (already held, or larger than the tier)."""
 
     @abstractmethod
     def delete(self, key: bytes) -> None: ...
