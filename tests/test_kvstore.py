@@ -132,7 +132,7 @@ def test_memory_tier_is_lru_by_bytes():
     tier.put(b"d", b"4" * 1001)  # larger than the tier: not stored, nothing evicted
     assert tier.keys() == [b"a", b"c"]
     tier.put(b"e", b"5" * 1000)
-    assert tier.keys() == [b"e"] and tier.used_bytes == 1000
+    assert tier.keys() == [b"e"] and tier.used_bytes == 1000 and tier.check_integrity() == []
 
 
 def test_store_over_memory_round_trips_and_looks_up_the_prefix():
@@ -188,7 +188,9 @@ def test_disk_round_trip_lru_and_restart(tmp_path):
         assert [store.lookup([h]) for h in hashes] == [["disk"], [], ["disk"], ["disk"]]  # 1 was evicted
         files = sorted(p.name for p in tmp_path.rglob("*.kv"))
         assert len(files) == 3 and not list(tmp_path.rglob(".tmp-*"))
+        assert store.check_integrity() == []
     with make_store(disk_dir=str(tmp_path), disk_bytes=3 * record) as restarted:
+        assert restarted.check_integrity() == []
         assert restarted.get(hashes[3]) == ("disk", blocks[3][1])
         assert restarted.tiers[0].keys() == [NS.key(h) for h in (hashes[2], hashes[0], hashes[3])]
     with TieredKVStore(OffloadConfig(disk_dir=str(tmp_path)), Namespace("weights-sha:NEW", "auto", 16)) as other:
@@ -211,6 +213,7 @@ def test_corrupt_disk_block_is_detected_deleted_and_counted(tmp_path, damage, re
         assert store.get(block_hash) is None
         assert not path.exists() and store.lookup([block_hash]) == []
         assert store.stats().tiers["disk"].faults == {reason: 1}
+        assert store.check_integrity() == []
 
 
 def test_unwritable_disk_dir_warns_disables_the_tier_and_recovers(tmp_path, caplog):
@@ -246,6 +249,17 @@ def test_chain_promotes_a_lower_hit_upwards(tmp_path):
         assert store.lookup([block_hash]) == ["cpu"]  # promoted
         stats = store.stats().tiers
         assert (stats["cpu"].misses, stats["disk"].hits) == (1, 1)
+
+
+def test_integrity_check_can_fail(tmp_path):
+    with make_store(disk_dir=str(tmp_path)) as store:
+        store.put(*block(0))
+        store.flush()
+        (path,) = tmp_path.rglob("*.kv")
+        path.write_bytes(b"x")
+        assert store.check_integrity() == [f"disk: {path.name} is 1 bytes, indexed as {4096 + OVERHEAD}"]
+        path.unlink()
+        assert store.check_integrity() == [f"disk: {path.name} indexed but missing"]
 
 
 def test_a_full_writer_queue_drops_and_counts(tmp_path):

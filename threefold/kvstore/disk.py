@@ -159,6 +159,26 @@ class DiskTier(Tier):
     def used_bytes(self) -> int:
         return self._used
 
+    def check_integrity(self) -> list[str]:
+        """The index against the files: sizes, totals and capacity. Files that another instance on the
+        same directory wrote after our startup are not in our index and not reported."""
+        with self._lock:
+            index = dict(self._index)
+            used = self._used
+        problems = [f"used_bytes {used} != {sum(index.values())} indexed"] if used != sum(index.values()) else []
+        if used > self._capacity:
+            problems.append(f"{used} bytes indexed > capacity {self._capacity}")
+        for key, size in index.items():
+            path = self.path_of(key)
+            try:
+                actual = path.stat().st_size
+            except FileNotFoundError:
+                problems.append(f"{path.name} indexed but missing")
+                continue
+            if actual != size:
+                problems.append(f"{path.name} is {actual} bytes, indexed as {size}")
+        return problems
+
     def keys(self) -> list[bytes]:
         """Oldest first."""
         with self._lock:

@@ -64,6 +64,12 @@ class MemoryTier(Tier):
     def used_bytes(self) -> int:
         return self._used
 
+    def check_integrity(self) -> list[str]:
+        with self._lock:
+            held = sum(len(value) for value in self._blocks.values())
+            problems = [f"used_bytes {self._used} != {held} held"] if held != self._used else []
+            return problems + ([f"{held} bytes held > capacity {self._capacity}"] if held > self._capacity else [])
+
     def keys(self) -> list[bytes]:
         """Oldest first (tests assert the LRU order)."""
         with self._lock:

@@ -59,6 +59,10 @@ class Tier(ABC):
     def used_bytes(self) -> int | None:
         """Bytes held, or None where this process cannot know (a Redis shared with others)."""
 
+    def check_integrity(self) -> list[str]:
+        """Mismatches between the tier's index and what it holds; empty when sound."""
+        return []
+
     def available(self) -> bool:
         """Whether reads may be tried now (False while a failed medium waits for its retry)."""
         return True
