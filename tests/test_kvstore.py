@@ -1,5 +1,5 @@
-"""The tiered KV store (threefold/kvstore): config, keys, frames, and each tier on real media — host
-memory, a tmp directory, and a real redis-server on loopback (tests/redis_fixture.py). No model needed:
+"""The tiered KV store (threefold/kvstore): config, keys, frames, host memory and a real disk (tmp
+directories, a tiny tmpfs to fill), and the metrics. Redis: test_kvstore_redis.py. No model needed:
 payloads are random bytes, compared bit for bit."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import subprocess
 import time
 
 import pytest
@@ -14,20 +15,12 @@ import pytest
 from threefold.errors import ThreefoldError
 from threefold.kvstore import FORMAT_VERSION, Namespace, OffloadConfig, TieredKVStore, add_offload_args
 from threefold.kvstore.config import parse_bytes
+from threefold.kvstore.disk import DiskTier
 from threefold.kvstore.frame import OVERHEAD, FrameError, decode, encode
 from threefold.kvstore.memory import MemoryTier
+from threefold.kvstore.tier import Backoff
 
-NS = Namespace("weights-sha:abc", "auto", 16)
-
-
-def block(i: int, size: int = 4096) -> tuple[bytes, bytes]:
-    """(block hash, payload): a 32-byte hash and random bytes, distinct per i."""
-    return i.to_bytes(32, "little"), os.urandom(size)
-
-
-def make_store(**config) -> TieredKVStore:
-    return TieredKVStore(OffloadConfig(**config), NS)
-
+from kvstore_helpers import NS, block, make_store
 
 # ---- config ----------------------------------------------------------------------
 
@@ -237,6 +230,56 @@ def test_unwritable_disk_dir_warns_disables_the_tier_and_recovers(tmp_path, capl
         assert list((blocker / "kv").rglob("*.kv"))
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 64 KiB filesystem (tmpfs), to fill up and to remount read-only; root only."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
+                            capture_output=True, check=False)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.decode().strip()}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def wait_for_disk_writes(store: TieredKVStore, at_least: int) -> None:
+    deadline, i = time.monotonic() + 10, 1000
+    while store.stats().tiers["disk"].writes < at_least and time.monotonic() < deadline:
+        time.sleep(0.05)  # the backoff pause runs out
+        i += 1
+        store.put(*block(i))
+        store.flush()
+
+
+def test_full_then_read_only_disk_is_counted_skipped_and_recovers(small_tmpfs):
+    def remount(options: str) -> None:
+        subprocess.run(["mount", "-o", f"remount,{options}", str(small_tmpfs)], check=True)
+
+    # A short backoff (20 ms doubling to 100 ms) so the test need not wait out the default 5 s pause.
+    tiers = [MemoryTier(1 << 20), DiskTier(small_tmpfs / "kv", 1 << 20, backoff=Backoff(0.02, 0.1))]
+    with TieredKVStore(OffloadConfig(), NS, tiers=tiers) as store:
+        blocks = [block(i, 16 << 10) for i in range(8)]  # 128 KiB into 64 KiB: the disk fills up
+        for block_hash, payload in blocks:
+            store.put(block_hash, payload)
+            store.flush()
+        disk = store.stats().tiers["disk"]
+        assert disk.faults.get("disk_full", 0) >= 1 and 1 <= disk.writes < 8
+        assert not list(small_tmpfs.rglob(".tmp-*"))  # a failed write leaves nothing visible
+        assert all(store.get(h) == ("cpu", p) for h, p in blocks)  # every block still served
+        assert store.check_integrity() == []
+        remount("size=1m")
+        wait_for_disk_writes(store, disk.writes + 1)  # space again: the tier is used again
+        assert store.stats().tiers["disk"].writes > disk.writes
+        remount("ro")
+        time.sleep(0.15)  # past the longest backoff pause: the next write is tried, and fails
+        store.put(*block(99, 1024))
+        store.flush()
+        assert store.stats().tiers["disk"].faults.get("read_only", 0) >= 1
+        store.tiers[0].delete(NS.key(blocks[0][0]))
+        assert store.get(blocks[0][0]) == ("disk", blocks[0][1])  # a read-only disk still serves reads
+
+
 def test_chain_promotes_a_lower_hit_upwards(tmp_path):
     with make_store(cpu_bytes=1 << 20, disk_dir=str(tmp_path)) as store:
         block_hash, payload = block(0)
@@ -267,113 +310,6 @@ def test_a_full_writer_queue_drops_and_counts(tmp_path):
         store.put(*block(0, 4096))
         store.flush()
         assert store.stats().dropped_writes == 1 and not list(tmp_path.rglob("*.kv"))
-
-
-# ---- Redis tier (a real redis-server on loopback) -----------------------------------
-
-
-def test_redis_round_trip_through_the_whole_chain(tmp_path, redis_server):
-    with make_store(cpu_bytes=1 << 20, disk_dir=str(tmp_path), redis_url=redis_server.url) as store:
-        blocks = [block(i, 64 << 10) for i in range(3)]
-        for block_hash, payload in blocks:
-            store.put(block_hash, payload)
-        assert store.flush(10)
-        hashes = [h for h, _ in blocks]
-        assert store.lookup(hashes) == ["cpu"] * 3
-        cpu, disk, _ = store.tiers
-        for tier in (cpu, disk):
-            tier.delete(NS.key(hashes[1]))
-        assert store.lookup(hashes) == ["cpu", "redis", "cpu"]
-        assert store.get(hashes[1]) == ("redis", blocks[1][1])  # bit-identical from L4
-        assert store.flush(10)
-        assert cpu.contains(NS.key(hashes[1])) and disk.contains(NS.key(hashes[1]))  # promoted to L2 and L3
-        redis_stats = store.stats().tiers["redis"]
-        assert (redis_stats.hits, redis_stats.writes, redis_stats.faults) == (1, 3, {})
-        assert redis_stats.bytes_read == 64 << 10
-
-
-def test_two_stores_share_blocks_through_one_redis(redis_server):
-    block_hash, payload = block(0)
-    with make_store(cpu_bytes=1 << 20, redis_url=redis_server.url) as instance_a:
-        instance_a.put(block_hash, payload)
-        assert instance_a.flush(10)
-    with make_store(cpu_bytes=1 << 20, redis_url=redis_server.url) as instance_b:
-        assert instance_b.lookup([block_hash, block(1)[0]]) == ["redis"]
-        assert instance_b.get(block_hash) == ("redis", payload)
-        other = Namespace("weights-sha:abc", "auto", 32)  # another block size: no hit
-        with TieredKVStore(OffloadConfig(redis_url=redis_server.url), other) as stranger:
-            assert stranger.lookup([block_hash]) == [] and stranger.get(block_hash) is None
-
-
-def test_corrupt_redis_block_is_dropped(redis_server):
-    import redis
-
-    with make_store(redis_url=redis_server.url) as store:
-        block_hash, payload = block(0)
-        store.put(block_hash, payload)
-        assert store.flush(10)
-        client = redis.Redis.from_url(redis_server.url)
-        (key,) = client.keys("threefold:kv:*")
-        client.setrange(key, OVERHEAD, b"garbage")
-        assert store.get(block_hash) is None
-        assert store.stats().tiers["redis"].faults == {"checksum": 1} and client.exists(key) == 0
-        client.close()
-
-
-def test_killed_redis_degrades_then_recovers_on_restart(redis_server):
-    with make_store(cpu_bytes=1 << 20, redis_url=redis_server.url) as store:
-        store.put(*block(0))
-        assert store.flush(10)
-        redis_server.stop()
-        for i in range(1, 20):  # puts, lookups and gets with Redis gone: none raises
-            store.put(*block(i))
-            assert store.lookup([block(i)[0]]) == ["cpu"]
-            store.tiers[0].delete(NS.key(block(0)[0]))
-            assert store.get(block(0)[0]) is None
-        assert store.flush(10)
-        stats = store.stats().tiers["redis"]
-        assert sum(stats.faults.values()) >= 1 and stats.faults.keys() <= {"unavailable", "timeout"}
-        redis_server.start()  # same port, empty (no persistence)
-        block_hash, payload = block(100)
-        deadline = time.monotonic() + 15
-        while store.stats().tiers["redis"].writes < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)  # the backoff pause runs out
-            store.put(block_hash, payload)
-            store.flush(10)
-        store.tiers[0].delete(NS.key(block_hash))
-        assert store.get(block_hash) == ("redis", payload)
-
-
-def test_unreachable_redis_at_startup_warns_and_serves_without_it(caplog):
-    from redis_fixture import free_port
-
-    url = f"redis://127.0.0.1:{free_port()}"
-    with caplog.at_level(logging.WARNING), make_store(cpu_bytes=1 << 20, redis_url=url) as store:
-        assert "not reachable" in caplog.text
-        block_hash, payload = block(0)
-        store.put(block_hash, payload)
-        assert store.flush(10)
-        assert store.get(block_hash) == ("cpu", payload)
-        assert store.get(block(1)[0]) is None
-
-
-def test_a_hung_redis_times_out_quickly_and_counts(redis_server):
-    import signal
-
-    with make_store(redis_url=redis_server.url) as store:
-        block_hash, payload = block(0)
-        store.put(block_hash, payload)
-        assert store.flush(10)
-        redis_server.process.send_signal(signal.SIGSTOP)  # alive but silent: a hung or overloaded server
-        try:
-            start = time.monotonic()
-            assert store.get(block_hash) is None
-            assert time.monotonic() - start < 3  # the socket timeout (0.5 s, not retried), not a hang
-            assert store.get(block_hash) is None  # backing off: not even tried
-        finally:
-            redis_server.process.send_signal(signal.SIGCONT)
-        stats = store.stats().tiers["redis"]
-        assert stats.faults == {"timeout": 1} and stats.skipped == 1
 
 
 # ---- metrics ---------------------------------------------------------------------------
