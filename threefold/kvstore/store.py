@@ -120,7 +120,8 @@ class TieredKVStore:
 
     def bandwidth(self, tier: str) -> float:
         """Measured read bytes/s of a tier (EMA of real reads; a prior before any): the engine's
-        load-or-recompute cost model weighs a block's bytes by this."""
+        load-or-recompute cost model weighs a block's bytes by this. It times the store's part (read,
+        checksum, copy out); L2's is a dictionary lookup, so the engine adds its own copy into the pool."""
         return self._book.bandwidth(tier)
 
     def stats(self) -> StoreStats:
