@@ -19,6 +19,8 @@ def test_redis_round_trip_through_the_whole_chain(tmp_path, redis_server):
         for block_hash, payload in blocks:
             store.put(block_hash, payload)
         assert store.flush(10)
+        store.put(*blocks[0])  # settled in every tier: the second put goes no further than L2
+        assert store.flush(10)
         hashes = [h for h, _ in blocks]
         assert store.lookup(hashes) == ["cpu"] * 3
         cpu, disk, _ = store.tiers

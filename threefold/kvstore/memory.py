@@ -19,6 +19,7 @@ class MemoryTier(Tier):
         self._capacity = capacity_bytes
         self._used = 0
         self._blocks: OrderedDict[bytes, bytes] = OrderedDict()  # oldest first
+        self._settled: set[bytes] = set()  # held here and written to every tier below (store.py)
         self._lock = threading.Lock()
         self.num_evicted = 0
 
@@ -38,16 +39,33 @@ class MemoryTier(Tier):
             old = self._blocks.pop(key, None)
             if old is not None:
                 self._used -= len(old)
+            self._settled.discard(key)
             while self._used + len(value) > self._capacity:
-                _, evicted = self._blocks.popitem(last=False)
+                evicted_key, evicted = self._blocks.popitem(last=False)
+                self._settled.discard(evicted_key)
                 self._used -= len(evicted)
                 self.num_evicted += 1
             self._blocks[key] = value
             self._used += len(value)
         return True
 
+    def settle(self, key: bytes) -> None:
+        """Mark a held block as written to every tier below, so a later put of it can stop here."""
+        with self._lock:
+            if key in self._blocks:
+                self._settled.add(key)
+
+    def refresh_if_settled(self, key: bytes) -> bool:
+        """Make a settled block the most recent and say True; False for any other key."""
+        with self._lock:
+            if key not in self._settled:
+                return False
+            self._blocks.move_to_end(key)
+            return True
+
     def delete(self, key: bytes) -> None:
         with self._lock:
+            self._settled.discard(key)
             old = self._blocks.pop(key, None)
             if old is not None:
                 self._used -= len(old)

@@ -55,6 +55,8 @@ class TieredKVStore:
                  max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self.config, self.namespace = config, namespace
         self.tiers = build_tiers(config) if tiers is None else tiers
+        first = self.tiers[0] if self.tiers else None
+        self._memory = first if isinstance(first, MemoryTier) else None
         self._book = StatsBook([tier.name for tier in self.tiers])
         self._max_pending_bytes = max_pending_bytes
         self._queue: deque[tuple[bytes, bytes, list[Tier]]] = deque()
@@ -72,8 +74,10 @@ class TieredKVStore:
         if it is ever needed again."""
         key = self.namespace.key(block_hash)
         below = self.tiers
-        if self.tiers and not self.tiers[0].framed:
-            self._put_one(self.tiers[0], key, payload, None)
+        if self._memory is not None:
+            if self._memory.refresh_if_settled(key):
+                return  # L2 holds it and every tier below has it: spare them the same bytes again
+            self._put_one(self._memory, key, payload, None)
             below = self.tiers[1:]
         if below:
             self._enqueue(key, payload, below)
@@ -192,16 +196,18 @@ class TieredKVStore:
         if above:
             self._enqueue(key, payload, above)
 
-    def _put_one(self, tier: Tier, key: bytes, payload: bytes, record: bytes | None) -> None:
+    def _put_one(self, tier: Tier, key: bytes, payload: bytes, record: bytes | None) -> bool:
+        """Write one block to one tier; False (counted) on a fault."""
         value = payload if not tier.framed else record
         assert value is not None
         try:
             written = tier.put(key, value)
         except TierFault as fault:
             self._book.fault(tier.name, fault.kind)
-            return
+            return False
         if written:
             self._book.wrote(tier.name, len(value))
+        return True
 
     def _enqueue(self, key: bytes, payload: bytes, targets: list[Tier]) -> None:
         with self._cond:
@@ -221,8 +227,9 @@ class TieredKVStore:
                 key, payload, targets = self._queue[0]
             try:
                 record = encode(payload, self.namespace.digest, self.namespace.format_version)
-                for tier in targets:
-                    self._put_one(tier, key, payload, record)
+                stored = [self._put_one(tier, key, payload, record) for tier in targets]
+                if self._memory is not None and all(stored) and len(targets) == len(self.tiers) - 1:
+                    self._memory.settle(key)  # a fault below leaves it unsettled: the next put retries
             except Exception:  # a bug must not kill the writer: flush() would then wait forever
                 logger.exception("KV offload writer: unexpected error; block not offloaded")
                 self._book.fault(targets[0].name, "internal")
