@@ -52,10 +52,11 @@ class StatsBook:
         self._tiers = {name: TierStats(bandwidth=BANDWIDTH_PRIOR.get(name, 1e9)) for name in tier_names}
         self.dropped_writes = 0
 
-    def hit(self, tier: str, num_bytes: int, seconds: float) -> None:
+    def hit(self, tier: str, num_bytes: int, seconds: float, count: int = 1) -> None:
+        """`count` blocks of `num_bytes` in all, read in `seconds`: one bandwidth sample."""
         with self._lock:
             stats = self._tiers[tier]
-            stats.hits += 1
+            stats.hits += count
             stats.bytes_read += num_bytes
             stats.load_seconds += seconds
             if num_bytes >= MIN_SAMPLE_BYTES and seconds > 0:
