@@ -117,30 +117,3 @@ def test_a_hung_redis_times_out_quickly_and_counts(redis_server):
             redis_server.process.send_signal(signal.SIGCONT)
         stats = store.stats().tiers["redis"]
         assert stats.faults == {"timeout": 1} and stats.skipped == 1
-
-
-def test_get_prefix_reads_each_tier_in_one_call_and_stops_at_the_gap(tmp_path, redis_server):
-    import redis
-
-    with make_store(cpu_bytes=1 << 20, disk_dir=str(tmp_path), redis_url=redis_server.url) as store:
-        blocks = [block(i) for i in range(7)]
-        for block_hash, payload in blocks:
-            store.put(block_hash, payload)
-        assert store.flush(10)
-        cpu, disk, _ = store.tiers
-        hashes = [h for h, _ in blocks]
-        for i in (2, 3, 4, 5, 6):
-            cpu.delete(NS.key(hashes[i]))  # 0, 1: L2; 2: L3; 3, 5, 6: L4 only; 4: nowhere
-        for i in (3, 4, 5, 6):
-            disk.delete(NS.key(hashes[i]))
-        client = redis.Redis.from_url(redis_server.url)
-        client.delete(b"threefold:kv:" + NS.key(hashes[4]))
-        client.setrange(b"threefold:kv:" + NS.key(hashes[6]), OVERHEAD, b"rot")
-        client.close()
-        assert store.lookup(hashes) == ["cpu", "cpu", "disk", "redis"]
-        assert store.get_prefix(hashes[:4]) == [("cpu", blocks[0][1]), ("cpu", blocks[1][1]),
-                                                ("disk", blocks[2][1]), ("redis", blocks[3][1])]
-        assert store.lookup(hashes[:4]) == ["cpu"] * 4  # promoted
-        assert store.get_prefix(hashes[5:]) == [("redis", blocks[5][1])]  # 6 is corrupt: dropped
-        redis_stats = store.stats().tiers["redis"]
-        assert (redis_stats.hits, redis_stats.misses, redis_stats.faults) == (2, 1, {"checksum": 1})

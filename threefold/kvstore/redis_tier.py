@@ -25,9 +25,6 @@ from threefold.kvstore.tier import Backoff, Tier, TierFault
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = b"threefold:kv:"
-MGET_BATCH = 16
-"""Blocks per MGET: one round trip for a 256-token prefix, and a reply of at most 16 blocks (about
-12 MiB of fp32 SmolLM2 KV) to hold at once."""
 SOCKET_TIMEOUT_S = 0.5
 """A loopback or LAN Redis answers in well under a millisecond; half a second means it is in trouble,
 and recomputing beats waiting longer."""
@@ -71,13 +68,6 @@ class RedisTier(Tier):
     def get(self, key: bytes) -> bytes | None:
         value = self._call("GET", self._client.get, KEY_PREFIX + key)
         return bytes(value) if value is not None else None
-
-    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        values: list[bytes | None] = []
-        for start in range(0, len(keys), MGET_BATCH):
-            batch = [KEY_PREFIX + key for key in keys[start:start + MGET_BATCH]]
-            values += self._call("MGET", self._client.mget, batch)
-        return values
 
     def put(self, key: bytes, value: bytes) -> bool:
         self._call("SET", self._client.set, KEY_PREFIX + key, value)

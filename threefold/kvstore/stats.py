@@ -52,11 +52,10 @@ class StatsBook:
         self._tiers = {name: TierStats(bandwidth=BANDWIDTH_PRIOR.get(name, 1e9)) for name in tier_names}
         self.dropped_writes = 0
 
-    def hit(self, tier: str, num_bytes: int, seconds: float, count: int = 1) -> None:
-        """`count` blocks of `num_bytes` in all, read in `seconds`: one bandwidth sample."""
+    def hit(self, tier: str, num_bytes: int, seconds: float) -> None:
         with self._lock:
             stats = self._tiers[tier]
-            stats.hits += count
+            stats.hits += 1
             stats.bytes_read += num_bytes
             stats.load_seconds += seconds
             if num_bytes >= MIN_SAMPLE_BYTES and seconds > 0:

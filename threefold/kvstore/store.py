@@ -122,34 +122,6 @@ class TieredKVStore:
             return tier.name, payload
         return None
 
-    def get_prefix(self, block_hashes: list[bytes]) -> list[tuple[str, bytes]]:
-        """(tier name, verified payload) for each block of the longest prefix that the tiers serve,
-        stopping at the first block none does; pass the prefix `lookup` found. Like `get`, but each tier
-        reads its share of the blocks in one call (Redis: MGET, one round trip per 16 blocks)."""
-        keys = [self.namespace.key(h) for h in block_hashes]
-        loaded: list[tuple[str, bytes] | None] = [None] * len(keys)
-        for depth, tier in enumerate(self.tiers):
-            todo = [i for i, item in enumerate(loaded) if item is None]
-            if not todo:
-                break
-            start = time.perf_counter()
-            records = self._get_many(tier, [keys[i] for i in todo])
-            seconds = time.perf_counter() - start
-            hits = [(i, payload) for i, payload in zip(todo, records, strict=True) if payload is not None]
-            for _ in range(len(todo) - len(hits)):
-                self._book.miss(tier.name)
-            if hits:
-                self._book.hit(tier.name, sum(len(p) for _, p in hits), seconds, count=len(hits))
-            for i, payload in hits:
-                loaded[i] = (tier.name, payload)
-                self._promote(keys[i], payload, self.tiers[:depth])
-        prefix = []
-        for item in loaded:
-            if item is None:
-                break
-            prefix.append(item)
-        return prefix
-
     def bandwidth(self, tier: str) -> float:
         """Measured read bytes/s of a tier (EMA of real reads; a prior before any): the engine's
         load-or-recompute cost model weighs a block's bytes by this. It times the store's part (read,
@@ -193,21 +165,14 @@ class TieredKVStore:
     # ---- helpers ----------------------------------------------------------------
 
     def _get_one(self, tier: Tier, key: bytes) -> bytes | None:
-        return self._get_many(tier, [key])[0]
-
-    def _get_many(self, tier: Tier, keys: list[bytes]) -> list[bytes | None]:
-        """Verified payloads from one tier, None for each miss, corrupt record or fault."""
         if not tier.available():
             self._book.fault(tier.name, "skipped")
-            return [None] * len(keys)
+            return None
         try:
-            records = tier.get_many(keys)
+            record = tier.get(key)
         except TierFault as fault:
             self._book.fault(tier.name, fault.kind)
-            return [None] * len(keys)
-        return [self._verify(tier, key, record) for key, record in zip(keys, records, strict=True)]
-
-    def _verify(self, tier: Tier, key: bytes, record: bytes | None) -> bytes | None:
+            return None
         if record is None or not tier.framed:
             return record
         try:

@@ -35,10 +35,6 @@ class Tier(ABC):
     @abstractmethod
     def get(self, key: bytes) -> bytes | None: ...
 
-    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        """One answer per key; a remote tier answers them in few round trips."""
-        return [self.get(key) for key in keys]
-
     @abstractmethod
     def put(self, key: bytes, value: bytes) -> bool:
         """Store a value; False when there was nothing to write (already held, or larger than the tier)."""
