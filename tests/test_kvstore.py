@@ -142,6 +142,17 @@ def test_store_over_memory_round_trips_and_looks_up_the_prefix():
         assert (stats.hits, stats.misses, stats.bytes_read, stats.used_bytes) == (1, 1, 4096, 3 * 4096)
 
 
+def test_a_reused_buffer_does_not_change_a_stored_block(tmp_path):
+    with make_store(cpu_bytes=1 << 20, disk_dir=str(tmp_path)) as store:
+        buffer = bytearray(b"a" * 4096)
+        store.put(b"h" * 32, buffer)
+        buffer[:] = b"b" * 4096  # the engine reuses its staging buffer for the next block
+        store.flush()
+        assert store.get(b"h" * 32) == ("cpu", b"a" * 4096)
+        store.tiers[0].delete(NS.key(b"h" * 32))
+        assert store.get(b"h" * 32) == ("disk", b"a" * 4096)
+
+
 def test_another_namespace_never_hits_in_memory():
     config = OffloadConfig(cpu_bytes=64 << 10)
     tier = MemoryTier(64 << 10)

@@ -72,6 +72,8 @@ class TieredKVStore:
         """Offload one block. L2 takes it at once; the slower tiers get it from the writer thread. Never
         blocks: with the writer's queue full, the block is dropped (counted) and the engine recomputes it
         if it is ever needed again."""
+        if not isinstance(payload, bytes):
+            payload = bytes(payload)  # L2 and the queue keep it: a reused buffer must not change under them
         key = self.namespace.key(block_hash)
         below = self.tiers
         if self._memory is not None:
@@ -190,8 +192,8 @@ class TieredKVStore:
             self._book.fault(tier.name, fault.kind)
 
     def _promote(self, key: bytes, payload: bytes, above: list[Tier]) -> None:
-        if above and not above[0].framed:
-            self._put_one(above[0], key, payload, None)
+        if above and above[0] is self._memory:
+            self._put_one(self._memory, key, payload, None)
             above = above[1:]
         if above:
             self._enqueue(key, payload, above)
