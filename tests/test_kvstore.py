@@ -291,6 +291,20 @@ def test_full_then_read_only_disk_is_counted_skipped_and_recovers(small_tmpfs):
         assert store.get(blocks[0][0]) == ("disk", blocks[0][1])  # a read-only disk still serves reads
 
 
+def test_a_read_only_disk_at_startup_serves_what_it_holds(small_tmpfs, caplog):
+    block_hash, payload = block(0)
+    with make_store(disk_dir=str(small_tmpfs / "kv")) as store:
+        store.put(block_hash, payload)
+        store.flush()
+    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+    with caplog.at_level(logging.WARNING), make_store(disk_dir=str(small_tmpfs / "kv")) as store:
+        assert "not writable" in caplog.text
+        assert store.get(block_hash) == ("disk", payload)
+        store.put(*block(1))
+        store.flush()
+        assert store.stats().tiers["disk"].skipped == 1 and store.lookup([block(1)[0]]) == []
+
+
 def test_chain_promotes_a_lower_hit_upwards(tmp_path):
     with make_store(cpu_bytes=1 << 20, disk_dir=str(tmp_path)) as store:
         block_hash, payload = block(0)

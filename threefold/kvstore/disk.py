@@ -53,21 +53,28 @@ class DiskTier(Tier):
     # ---- opening and the index ---------------------------------------------
 
     def _try_open(self, startup: bool = False) -> bool:
-        """Create the directory, prove it writable and index it; on failure let the backoff decide when
-        to try again. The engine serves without the tier meanwhile."""
+        """Create and index the directory, then prove it writable. Unusable: the engine serves without
+        the tier and the backoff decides when to try again. Read-only: its blocks are served, and writes
+        wait for the backoff like any write fault."""
+        # Warn once at startup; retries while the fault lasts stay quiet (they are counted as skips).
+        log = logger.warning if startup else logger.debug
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            probe = self.root / f"{TMP_PREFIX}probe-{uuid.uuid4().hex}"
-            probe.write_bytes(b"")
-            probe.unlink()
             self._rebuild_index()
         except OSError as exc:
-            # Warn once at startup; retries while the fault lasts stay quiet (they are counted as skips).
-            log = logger.warning if startup else logger.debug
             log("KV offload disk tier %s is not usable (%s); serving without it and retrying later", self.root, exc)
             self._backoff.failed()
             return False
         self._opened = True
+        try:
+            probe = self.root / f"{TMP_PREFIX}probe-{uuid.uuid4().hex}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            log("KV offload disk tier %s is not writable (%s); serving the %d blocks it holds and retrying "
+                "writes later", self.root, exc, len(self._index))
+            self._backoff.failed()
+            return True
         self._backoff.succeeded()
         return True
 
@@ -78,7 +85,8 @@ class DiskTier(Tier):
                 continue
             for path in ns_dir.glob("*/*"):
                 if path.name.startswith(TMP_PREFIX):
-                    path.unlink(missing_ok=True)  # a write cut short by a crash: never visible, now gone
+                    with contextlib.suppress(OSError):  # (a read-only disk keeps it; it is never read)
+                        path.unlink()  # a write cut short by a crash: never visible, now gone
                     continue
                 key = _key_of(ns_dir.name, path.name)
                 if key is not None:
