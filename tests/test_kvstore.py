@@ -319,6 +319,38 @@ def test_chain_promotes_a_lower_hit_upwards(tmp_path):
         assert (stats["cpu"].misses, stats["disk"].hits) == (1, 1)
 
 
+def test_random_traffic_against_the_writer_thread_never_serves_wrong_bytes(tmp_path):
+    """The engine thread puts, looks up and gets at random while the writer fills the disk; small tiers
+    force evictions in both. Every payload is a function of its hash, so any mix-up shows."""
+    import hashlib
+    import random
+
+    def payload_of(block_hash: bytes) -> bytes:
+        size = 512 + block_hash[0] * 16
+        return (hashlib.sha256(block_hash).digest() * (size // 32 + 1))[:size]
+
+    rng = random.Random(0)
+    hashes = [hashlib.sha256(bytes([i])).digest() for i in range(40)]
+    with make_store(cpu_bytes=8 << 10, disk_dir=str(tmp_path), disk_bytes=32 << 10) as store:
+        for _ in range(400):
+            block_hash = rng.choice(hashes)
+            op = rng.random()
+            if op < 0.5:
+                store.put(block_hash, payload_of(block_hash))
+            elif op < 0.8:
+                found = store.get(block_hash)
+                assert found is None or found[1] == payload_of(block_hash)
+            elif op < 0.97:
+                tiers = store.lookup(rng.sample(hashes, 3))
+                assert set(tiers) <= {"cpu", "disk"}
+            else:
+                store.flush(10)  # now and then let the writer (fsync per block) catch up, so L3 holds blocks
+        assert store.flush(10)
+        assert store.check_integrity() == []
+        stats = store.stats().tiers
+        assert stats["cpu"].hits > 0 and stats["disk"].hits > 0 and stats["disk"].used_bytes <= 32 << 10
+
+
 def test_integrity_check_can_fail(tmp_path):
     with make_store(disk_dir=str(tmp_path)) as store:
         store.put(*block(0))
