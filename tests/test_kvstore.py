@@ -72,6 +72,12 @@ def test_yaml_and_flags(tmp_path):
     overridden = OffloadConfig.from_args(ns)  # the flags win over the file
     assert (overridden.cpu_bytes, overridden.codec, overridden.disk_dir) == (1 << 20, "fp8_e4m3", "/data/kv")
     assert OffloadConfig.from_args(parser.parse_args([])) == OffloadConfig()
+    keywords = OffloadConfig.from_options(kv_offload_config=str(path), kv_offload_disk_bytes="1GiB",
+                                          kv_offload_redis=None)  # LLM(...) keywords; None = not given
+    assert (keywords.disk_bytes, keywords.redis_url) == (1 << 30, "redis://127.0.0.1:6379")
+    with pytest.raises(ThreefoldError, match="unknown KV offload option 'kv_offload_cpu'") as info:
+        OffloadConfig.from_options(kv_offload_cpu="1GiB")
+    assert info.value.param == "kv_offload_cpu"
 
 
 @pytest.mark.parametrize("text,match", [("cpu_byte: 1GiB\n", "unknown key 'cpu_byte'"), ("- a\n", "mapping"),

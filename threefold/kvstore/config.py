@@ -32,6 +32,8 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 _OPTIONS = {"cpu_bytes": "cpu_bytes", "disk": "disk_dir", "disk_bytes": "disk_bytes",
             "redis": "redis_url", "codec": "codec"}
 PREFIX = "kv_offload_"
+OPTION_NAMES = (*(PREFIX + o for o in _OPTIONS), PREFIX + "config")
+"""The `LLM(...)` keywords and argparse destinations: kv_offload_cpu_bytes, ..., kv_offload_config."""
 
 
 def parse_bytes(value: int | float | str, param: str) -> int:
@@ -99,14 +101,16 @@ class OffloadConfig:
         return cls(**_yaml_fields(path))
 
     @classmethod
-    def from_options(cls, config_file: str | Path | None = None, **options: Any) -> OffloadConfig:
-        """The YAML file (if any), overridden by the `kv_offload_*` options that are not None."""
+    def from_options(cls, **options: Any) -> OffloadConfig:
+        """From `LLM(...)`-style keywords: the YAML file `kv_offload_config` (if any), overridden by the
+        other `kv_offload_*` options that are not None."""
+        config_file = options.pop(PREFIX + "config", None)
         values = _yaml_fields(config_file) if config_file else {}
         for name, value in options.items():
             short = name.removeprefix(PREFIX)
             if short not in _OPTIONS:
-                raise ThreefoldError(f"unknown KV offload option {name!r}; options: "
-                                     f"{', '.join(PREFIX + o for o in _OPTIONS)}.", param=name)
+                raise ThreefoldError(f"unknown KV offload option {name!r}; options: {', '.join(OPTION_NAMES)}.",
+                                     param=name)
             if value is not None:
                 values[_OPTIONS[short]] = value
         return cls(**values)
@@ -114,8 +118,7 @@ class OffloadConfig:
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> OffloadConfig:
         """From the flags `add_offload_args` added."""
-        options = {PREFIX + o: getattr(ns, PREFIX + o, None) for o in _OPTIONS}
-        return cls.from_options(getattr(ns, PREFIX + "config", None), **options)
+        return cls.from_options(**{name: getattr(ns, name, None) for name in OPTION_NAMES})
 
 
 def check_redis_url(url: str) -> None:
