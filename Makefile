@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup test lint demo serve bench-offline bench-decode heads clean
+.PHONY: setup test lint demo serve bench-offline bench-decode heads clean redis redis-server
 
 setup: $(STAMP)
 
@@ -20,9 +20,23 @@ $(STAMP): pyproject.toml
 
 # Idle OpenMP threads sleep: tests run a server and its clients on the same 2 cores.
 # The native kernels are built (or found cached) first, for every target this CPU runs.
-test: setup
+test: setup redis
 	$(BIN)/python -m threefold.kernels
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q tests
+
+# The KV offload tier's Redis (L4): Debian's redis-server package, installed once (the tests start their own
+# instances on free loopback ports; the PyPI `redis-server` wheel does not install on these machines).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+redis:
+	command -v redis-server >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }
+
+# A Redis for `--kv-offload-redis redis://127.0.0.1:$(REDIS_PORT)`, on loopback, in the foreground, no
+# persistence, evicting the least recently used blocks beyond REDIS_MAXMEMORY.
+REDIS_PORT ?= 6379
+REDIS_MAXMEMORY ?= 4gb
+redis-server: redis
+	redis-server --bind 127.0.0.1 --port $(REDIS_PORT) --save '' --appendonly no \
+		--maxmemory $(REDIS_MAXMEMORY) --maxmemory-policy allkeys-lru
 
 # Style and types; both read their configuration from pyproject.toml ([tool.ruff], [tool.mypy]).
 lint: setup

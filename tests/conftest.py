@@ -7,6 +7,8 @@ import pytest
 from threefold.engine.llm import LLM
 from threefold.engine.llm_engine import EngineArgs, LLMEngine
 
+from redis_fixture import redis_server  # noqa: F401 - a real Redis for the KV tier tests
+
 
 @pytest.fixture(scope="session")
 def smollm2_fp32():

@@ -15,6 +15,8 @@ FORBIDDEN = {
              "threefold.server"),
     "model": ("threefold.core", "threefold.worker", "threefold.engine", "threefold.server"),
     "kv": ("threefold.core.scheduler", "threefold.engine", "threefold.server"),
+    "kvstore": ("torch", "threefold.core.scheduler", "threefold.engine", "threefold.server", "threefold.model",
+                "threefold.worker"),  # payloads are opaque bytes: the engine encodes and decodes them
     "server": ("threefold.model", "threefold.worker", "threefold.core", "threefold.kv"),
     "router": ("threefold.engine", "threefold.core", "threefold.model", "threefold.worker"),
 }

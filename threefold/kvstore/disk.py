@@ -1,0 +1,239 @@
+"""L3: one file per block in a local directory; survives restarts; least recently used out first.
+
+    DIR/<namespace digest hex>/<first 2 hex of block hash>/<block hash hex>.kv
+
+Each file is written to a temporary name, fsynced and renamed over its final name, so a reader sees a
+whole block or none (the frame's checksum still catches what the disk itself garbles). The LRU index
+lives in memory and is rebuilt from the directory at startup, ordered by modification time (a read
+touches the file), so a restarted engine finds its blocks and keeps evicting the coldest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import threading
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+
+from threefold.kvstore.keys import DIGEST_BYTES
+from threefold.kvstore.tier import Backoff, Tier, TierFault
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".kv"
+TMP_PREFIX = ".tmp-"
+
+
+def _write_fault(exc: OSError) -> TierFault:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return TierFault("disk_full", str(exc))
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR):
+        return TierFault("read_only", str(exc))
+    return TierFault("write", str(exc))
+
+
+class DiskTier(Tier):
+    name = "disk"
+
+    def __init__(self, root: str | Path, capacity_bytes: int, backoff: Backoff | None = None) -> None:
+        self.root = Path(root)
+        self._capacity = capacity_bytes
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, oldest first
+        self._used = 0
+        self._lock = threading.Lock()
+        self._backoff = backoff or Backoff()
+        self._opened = False
+        self.num_evicted = 0
+        self._try_open(startup=True)
+
+    # ---- opening and the index ---------------------------------------------
+
+    def _try_open(self, startup: bool = False) -> bool:
+        """Create and index the directory, then prove it writable. Unusable: the engine serves without
+        the tier and the backoff decides when to try again. Read-only: its blocks are served, and writes
+        wait for the backoff like any write fault."""
+        # Warn once at startup; retries while the fault lasts stay quiet (they are counted as skips).
+        log = logger.warning if startup else logger.debug
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._rebuild_index()
+        except OSError as exc:
+            log("KV offload disk tier %s is not usable (%s); serving without it and retrying later", self.root, exc)
+            self._backoff.failed()
+            return False
+        self._opened = True
+        try:
+            probe = self.root / f"{TMP_PREFIX}probe-{uuid.uuid4().hex}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            log("KV offload disk tier %s is not writable (%s); serving the %d blocks it holds and retrying "
+                "writes later", self.root, exc, len(self._index))
+            self._backoff.failed()
+            return True
+        self._backoff.succeeded()
+        return True
+
+    def _rebuild_index(self) -> None:
+        found = []
+        for ns_dir in self.root.iterdir():
+            if not ns_dir.is_dir():
+                continue
+            for path in ns_dir.glob("*/*"):
+                if path.name.startswith(TMP_PREFIX):
+                    with contextlib.suppress(OSError):  # (a read-only disk keeps it; it is never read)
+                        path.unlink()  # a write cut short by a crash: never visible, now gone
+                    continue
+                key = _key_of(ns_dir.name, path.name)
+                if key is not None:
+                    stat = path.stat()
+                    found.append((stat.st_mtime_ns, key, stat.st_size))
+        found.sort()
+        with self._lock:
+            self._index = OrderedDict((key, size) for _, key, size in found)
+            self._used = sum(size for _, _, size in found)
+
+    def available(self) -> bool:
+        return self._opened or (self._backoff.ready() and self._try_open())
+
+    def path_of(self, key: bytes) -> Path:
+        block_hex = key[DIGEST_BYTES:].hex()
+        return self.root / key[:DIGEST_BYTES].hex() / block_hex[:2] / (block_hex + SUFFIX)
+
+    # ---- Tier ----------------------------------------------------------------
+
+    def get(self, key: bytes) -> bytes | None:
+        if not self.available() or key not in self._index:
+            return None
+        path = self.path_of(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:  # another instance on the same directory evicted it
+            self._forget(key)
+            return None
+        except OSError as exc:
+            raise TierFault("read", str(exc)) from exc
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+        # The restart index orders by mtime, so a read makes the block recent; a read-only disk still
+        # serves reads, only the order after a restart suffers.
+        with contextlib.suppress(OSError):
+            os.utime(path)
+        return data
+
+    def put(self, key: bytes, value: bytes) -> bool:
+        if not self.available():
+            raise TierFault("skipped", "disk tier unusable")
+        if not self._backoff.ready():
+            raise TierFault("skipped", "backing off after a write fault")
+        if len(value) > self._capacity or key in self._index:
+            return False  # same key, same bytes: the key names the weights, codec and tokens
+        try:
+            self._make_room(len(value))
+            self._write_atomically(self.path_of(key), value)
+        except OSError as exc:
+            self._backoff.failed()
+            raise _write_fault(exc) from exc
+        self._backoff.succeeded()
+        with self._lock:
+            if key not in self._index:
+                self._index[key] = len(value)
+                self._used += len(value)
+        return True
+
+    def delete(self, key: bytes) -> None:
+        self._forget(key)
+        try:
+            self.path_of(key).unlink(missing_ok=True)
+        except OSError as exc:
+            raise TierFault("write", str(exc)) from exc
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        if not self._opened:
+            return [False] * len(keys)
+        with self._lock:
+            return [key in self._index for key in keys]
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def check_integrity(self) -> list[str]:
+        """The index against the files: sizes, totals and capacity. Files that another instance on the
+        same directory wrote after our startup are not in our index and not reported."""
+        with self._lock:
+            index = dict(self._index)
+            used = self._used
+        problems = [f"used_bytes {used} != {sum(index.values())} indexed"] if used != sum(index.values()) else []
+        if used > self._capacity:
+            problems.append(f"{used} bytes indexed > capacity {self._capacity}")
+        for key, size in index.items():
+            path = self.path_of(key)
+            try:
+                actual = path.stat().st_size
+            except FileNotFoundError:
+                problems.append(f"{path.name} indexed but missing")
+                continue
+            if actual != size:
+                problems.append(f"{path.name} is {actual} bytes, indexed as {size}")
+        return problems
+
+    def keys(self) -> list[bytes]:
+        """Oldest first."""
+        with self._lock:
+            return list(self._index)
+
+    # ---- helpers ---------------------------------------------------------------
+
+    def _write_atomically(self, path: Path, value: bytes) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = memoryview(value)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)  # the data reaches the disk before the name that points to it
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _make_room(self, num_bytes: int) -> None:
+        while True:
+            with self._lock:
+                if self._used + num_bytes <= self._capacity or not self._index:
+                    return
+                key, size = self._index.popitem(last=False)
+                self._used -= size
+                self.num_evicted += 1
+            self.path_of(key).unlink(missing_ok=True)
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used -= size
+
+
+def _key_of(ns_hex: str, file_name: str) -> bytes | None:
+    """The key a file holds, or None for a file that is not a block (left alone, and not counted)."""
+    if not file_name.endswith(SUFFIX):
+        return None
+    try:
+        key = bytes.fromhex(ns_hex + file_name[: -len(SUFFIX)])
+    except ValueError:
+        return None
+    return key if len(key) > DIGEST_BYTES else None

@@ -1,0 +1,241 @@
+"""TieredKVStore: the engine's KV blocks below its pool, in host memory (L2), on disk (L3) and in Redis (L4).
+
+    engine ──put(hash, payload)──► L2 now ──queue──► writer thread ──► L3, L4   (write-through)
+    engine ──lookup(hashes)──────► ["cpu", "disk", "redis", ...]  tier of each block of the hit prefix
+    engine ──get(hash)───────────► first tier holding a verified copy; promoted to the tiers above it
+
+Write-through, not demote-on-evict: every block put reaches L3 and L4 right away (off the engine's
+thread), so a restarted engine finds it on disk and another instance finds it in Redis without waiting
+for L2 to evict it. L2 evicting a block then just drops it: the copy below is already there.
+
+Payloads are opaque bytes (the engine's encoded KV block); this package never imports torch. Keys are
+namespaced (keys.py), records framed and checksummed (frame.py); tier faults are counted, never raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+from threefold.kvstore.config import OffloadConfig
+from threefold.kvstore.disk import DiskTier
+from threefold.kvstore.frame import FrameError, decode, encode
+from threefold.kvstore.keys import Namespace
+from threefold.kvstore.memory import MemoryTier
+from threefold.kvstore.stats import StatsBook, StoreStats
+from threefold.kvstore.tier import Tier, TierFault
+
+logger = logging.getLogger(__name__)
+
+MAX_PENDING_BYTES = 256 << 20
+"""Bytes queued for the writer at most; beyond it a put is dropped and counted (an engine step never waits)."""
+
+
+def build_tiers(config: OffloadConfig) -> list[Tier]:
+    """The configured tiers, fastest first."""
+    tiers: list[Tier] = []
+    if config.cpu_bytes > 0:
+        tiers.append(MemoryTier(config.cpu_bytes))
+    if config.disk_dir is not None:
+        tiers.append(DiskTier(config.disk_dir, config.disk_bytes))
+    if config.redis_url is not None:
+        from threefold.kvstore.redis_tier import RedisTier  # the client library is only needed for L4
+
+        tiers.append(RedisTier(config.redis_url))
+    return tiers
+
+
+class TieredKVStore:
+    """Blocks by chained block hash, in every configured tier. Thread-safe: the engine calls put, lookup
+    and get from its thread while one writer thread fills the slower tiers."""
+
+    def __init__(self, config: OffloadConfig, namespace: Namespace, tiers: list[Tier] | None = None,
+                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+        self.config, self.namespace = config, namespace
+        self.tiers = build_tiers(config) if tiers is None else tiers
+        first = self.tiers[0] if self.tiers else None
+        self._memory = first if isinstance(first, MemoryTier) else None
+        self._book = StatsBook([tier.name for tier in self.tiers])
+        self._max_pending_bytes = max_pending_bytes
+        self._queue: deque[tuple[bytes, bytes, list[Tier]]] = deque()
+        self._pending_bytes = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._writer = threading.Thread(target=self._write_loop, name="kv-offload-writer", daemon=True)
+        self._writer.start()
+
+    # ---- the engine's calls --------------------------------------------------
+
+    def put(self, block_hash: bytes, payload: bytes) -> None:
+        """Offload one block. L2 takes it at once; the slower tiers get it from the writer thread. Never
+        blocks: with the writer's queue full, the block is dropped (counted) and the engine recomputes it
+        if it is ever needed again."""
+        if not isinstance(payload, bytes):
+            payload = bytes(payload)  # L2 and the queue keep it: a reused buffer must not change under them
+        key = self.namespace.key(block_hash)
+        below = self.tiers
+        if self._memory is not None:
+            if self._memory.refresh_if_settled(key):
+                return  # L2 holds it and every tier below has it: spare them the same bytes again
+            self._put_one(self._memory, key, payload, None)
+            below = self.tiers[1:]
+        if below:
+            self._enqueue(key, payload, below)
+
+    def lookup(self, block_hashes: list[bytes]) -> list[str]:
+        """The tier holding each block of the longest stored prefix of `block_hashes`, stopping at the
+        first block that no tier holds. A hint: the block may still be evicted or found corrupt before
+        `get`, which then returns None and the engine recomputes from there."""
+        keys = [self.namespace.key(h) for h in block_hashes]
+        found: list[str | None] = [None] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, name in enumerate(found) if name is None]  # one round trip for a remote tier
+            if not todo or not tier.available():
+                continue
+            try:
+                present = tier.contains_many([keys[i] for i in todo])
+            except TierFault as fault:
+                self._book.fault(tier.name, fault.kind)
+                continue
+            for i, hit in zip(todo, present, strict=True):
+                if hit:
+                    found[i] = tier.name
+        prefix = []
+        for name in found:
+            if name is None:
+                break
+            prefix.append(name)
+        return prefix
+
+    def get(self, block_hash: bytes) -> tuple[str, bytes] | None:
+        """(tier name, verified payload) from the fastest tier holding the block, or None. A corrupt copy
+        is deleted and counted, and the next tier is tried. A hit is promoted to the tiers above."""
+        key = self.namespace.key(block_hash)
+        for depth, tier in enumerate(self.tiers):
+            start = time.perf_counter()
+            payload = self._get_one(tier, key)
+            if payload is None:
+                self._book.miss(tier.name)
+                continue
+            self._book.hit(tier.name, len(payload), time.perf_counter() - start)
+            self._promote(key, payload, self.tiers[:depth])
+            return tier.name, payload
+        return None
+
+    def bandwidth(self, tier: str) -> float:
+        """Measured read bytes/s of a tier (EMA of real reads; a prior before any): the engine's
+        load-or-recompute cost model weighs a block's bytes by this. It times the store's part (read,
+        checksum, copy out); L2's is a dictionary lookup, so the engine adds its own copy into the pool."""
+        return self._book.bandwidth(tier)
+
+    def stats(self) -> StoreStats:
+        sizes = {tier.name: (tier.used_bytes, tier.capacity_bytes) for tier in self.tiers}
+        with self._cond:
+            pending = len(self._queue)
+        return self._book.snapshot(sizes, pending)
+
+    def check_integrity(self) -> list[str]:
+        """Problems with the tiers' own accounting (empty when sound): what the engine's leak tests and a
+        debugging operator ask. A tier without a local index (Redis) has nothing to check."""
+        return [f"{tier.name}: {problem}" for tier in self.tiers for problem in tier.check_integrity()]
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the writer has written everything queued; False if `timeout` ran out first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and self._pending_bytes == 0, timeout)
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Finish queued writes (up to `timeout`), stop the writer and release the tiers. Idempotent."""
+        if self._closed:
+            return
+        self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._writer.join(timeout)
+        for tier in self.tiers:
+            tier.close()
+
+    def __enter__(self) -> TieredKVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- helpers ----------------------------------------------------------------
+
+    def _get_one(self, tier: Tier, key: bytes) -> bytes | None:
+        if not tier.available():
+            self._book.fault(tier.name, "skipped")
+            return None
+        try:
+            record = tier.get(key)
+        except TierFault as fault:
+            self._book.fault(tier.name, fault.kind)
+            return None
+        if record is None or not tier.framed:
+            return record
+        try:
+            return decode(record, self.namespace.digest, self.namespace.format_version)
+        except FrameError as bad:
+            logger.warning("KV offload %s tier: dropping a bad block (%s)", tier.name, bad)
+            self._book.fault(tier.name, bad.reason)
+            self._delete_one(tier, key)
+            return None
+
+    def _delete_one(self, tier: Tier, key: bytes) -> None:
+        try:
+            tier.delete(key)
+        except TierFault as fault:
+            self._book.fault(tier.name, fault.kind)
+
+    def _promote(self, key: bytes, payload: bytes, above: list[Tier]) -> None:
+        if above and above[0] is self._memory:
+            self._put_one(self._memory, key, payload, None)
+            above = above[1:]
+        if above:
+            self._enqueue(key, payload, above)
+
+    def _put_one(self, tier: Tier, key: bytes, payload: bytes, record: bytes | None) -> bool:
+        """Write one block to one tier; False (counted) on a fault."""
+        value = payload if not tier.framed else record
+        assert value is not None
+        try:
+            written = tier.put(key, value)
+        except TierFault as fault:
+            self._book.fault(tier.name, fault.kind)
+            return False
+        if written:
+            self._book.wrote(tier.name, len(value))
+        return True
+
+    def _enqueue(self, key: bytes, payload: bytes, targets: list[Tier]) -> None:
+        with self._cond:
+            if self._closed or self._pending_bytes + len(payload) > self._max_pending_bytes:
+                self._book.dropped()
+                return
+            self._queue.append((key, payload, targets))
+            self._pending_bytes += len(payload)
+            self._cond.notify_all()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return  # closed and drained
+                key, payload, targets = self._queue[0]
+            try:
+                record = encode(payload, self.namespace.digest, self.namespace.format_version)
+                stored = [self._put_one(tier, key, payload, record) for tier in targets]
+                if self._memory is not None and all(stored) and len(targets) == len(self.tiers) - 1:
+                    self._memory.settle(key)  # a fault below leaves it unsettled: the next put retries
+            except Exception:  # a bug must not kill the writer: flush() would then wait forever
+                logger.exception("KV offload writer: unexpected error; block not offloaded")
+                self._book.fault(targets[0].name, "internal")
+            with self._cond:
+                self._queue.popleft()  # only now: flush() waits for the write, not just the dequeue
+                self._pending_bytes -= len(payload)
+                self._cond.notify_all()
