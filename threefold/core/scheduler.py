@@ -23,6 +23,7 @@ from threefold.core.outputs import (
     SchedulerOutput,
 )
 from threefold.core.request import Request, RequestStatus
+from threefold.errors import ThreefoldError
 
 
 @dataclass
@@ -69,13 +70,53 @@ class Scheduler:
         self.num_preemptions = 0
         self.spec_counts = [0, 0, 0]  # drafts (verify steps with drafts), draft tokens, accepted tokens
         self.spec_accepted_per_pos: list[int] = []
+        self.hybrid = config.scheduling_policy == "hybrid"
+        self.offline_queued_tokens = 0
+        """prompt + max_tokens of unfinished offline requests (the queue limit's count)."""
+        self.offline_groups: dict[bytes, list] = {}
+        """First-block key -> [group's first arrival, live members]: offline requests sharing it sort together."""
 
     # ---- queue bookkeeping -------------------------------------------------
+    def check_offline_room(self, num_tokens: int) -> None:
+        """Refuse offline work past max_offline_queued_tokens (the batch runner holds lines back)."""
+        limit = self.config.max_offline_queued_tokens
+        if self.offline_queued_tokens + num_tokens > limit:
+            raise ThreefoldError(
+                f"The offline queue is full: {self.offline_queued_tokens} of {limit} tokens (prompt + max_tokens) "
+                f"are queued and this request needs {num_tokens}; retry when some finish.",
+                param="request_class", status_code=429)
+
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.is_offline:
+            self.check_offline_room(request.num_prompt_tokens + request.max_tokens)
+            self.offline_queued_tokens += request.num_prompt_tokens + request.max_tokens
+            if self.hybrid:
+                request.class_rank = 1
+                request.group_key = self._join_group(request)
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=Request.sort_key)
+
+    def _join_group(self, request: Request) -> float:
+        group = self.offline_groups.setdefault(self._group_of(request), [request.arrival_time, 0])
+        group[1] += 1
+        return group[0]
+
+    def _group_of(self, request: Request) -> bytes:
+        # The first block's tokens (all of a shorter prompt): what a shared system prompt puts in common.
+        return str(request.prompt_token_ids[: self.kv.block_size]).encode()
+
+    def _leave(self, request: Request) -> None:
+        if not request.is_offline:
+            return
+        self.offline_queued_tokens -= request.num_prompt_tokens + request.max_tokens
+        key = self._group_of(request)
+        group = self.offline_groups.get(key)
+        if self.hybrid and group is not None:
+            group[1] -= 1
+            if group[1] <= 0:
+                del self.offline_groups[key]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -95,6 +136,7 @@ class Scheduler:
         return finished
 
     def _free(self, request: Request) -> None:
+        self._leave(request)
         self.kv.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
