@@ -12,6 +12,7 @@ from threefold.core.kv_cache_manager import KVCacheManager
 from threefold.core.outputs import ModelRunnerOutput, SchedulerOutput
 from threefold.core.request import Request, check_request_class
 from threefold.core.scheduler import Scheduler
+from threefold.core.step_cost import BatchShape, LinearStepModel
 from threefold.errors import ThreefoldError
 from threefold.sample.params import SamplingParams
 
@@ -178,3 +179,60 @@ def test_offline_waiting_order_groups_shared_prefixes():
 
     assert order("hybrid") == ["online", "a1", "a2", "a3", "b1", "b2"]
     assert order("fcfs") == ["a1", "b1", "a2", "b2", "a3", "online"]
+
+
+def test_linear_step_model_recovers_a_linear_cost():
+    true = (0.004, 0.0003, 0.0002, 2e-8)  # seconds: fixed, per token, per sequence, per attention pair
+    model = LinearStepModel()
+    for tokens, seqs, ctx in ((1, 1, 10), (64, 1, 0), (512, 1, 0), (32, 32, 500), (128, 8, 2000), (256, 2, 100)):
+        shape = BatchShape()
+        for i in range(seqs):
+            shape.add(tokens // seqs, ctx + i)
+        seconds = true[0] + true[1] * shape.num_tokens + true[2] * shape.num_seqs + true[3] * shape.attention_pairs
+        model.observe(shape, seconds)
+    probe = BatchShape()
+    for _ in range(16):
+        probe.add(1, 1000)
+    expected = true[0] + true[1] * 16 + true[2] * 16 + true[3] * probe.attention_pairs
+    assert model(probe) == pytest.approx(expected, rel=0.05)
+
+
+def test_engine_offline_greedy_outputs_equal_online(make_llm):
+    llm = make_llm(kv_cache_memory=16 << 20, max_model_len=256)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    online = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    offline = [o.outputs[0].token_ids for o in llm.generate(prompts, params, request_class="offline")]
+    assert offline == online
+    engine = llm.engine
+    assert engine.core.scheduler.predictor is not None  # calibrated when the first offline request came
+    for i, prompt in enumerate(prompts):  # both classes in the same steps
+        engine.add_request(f"mix{i}", prompt, params, request_class="offline" if i % 2 else "online")
+    mixed: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        mixed.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert [mixed[f"mix{i}"] for i in range(3)] == online
+    stats = engine.get_stats()
+    assert stats.offline_tokens > 0 and stats.num_running_offline == stats.num_waiting_offline == 0
+    with pytest.raises(ThreefoldError, match="request_class"):
+        llm.generate(prompts[:1], params, request_class="batch")
+
+
+def test_metrics_report_queues_tokens_and_preemptions_by_class():
+    from threefold.server.metrics import ServerMetrics
+    s = make(num_blocks=16, budget=64, predictor=cost)
+    s.add_request(req("off", 12, "offline", max_tokens=30, arrival=0))
+    s.add_request(req("on", 12, max_tokens=30, arrival=1, start=100))
+    s.add_request(req("off2", 12, "offline", max_tokens=30, arrival=2, start=300))
+    grow_until_preemption(s)
+    metrics = ServerMetrics("m")
+    metrics.on_step(s.stats(), [], 0.0)
+    text = metrics.render().decode()
+    stats = s.stats()
+    assert (stats.num_running, stats.num_running_offline, stats.num_waiting_offline) == (2, 1, 1)
+    assert 'threefold:num_requests_running_by_class{model_name="m",request_class="online"} 1.0' in text
+    assert 'threefold:num_requests_waiting_by_class{model_name="m",request_class="offline"} 1.0' in text
+    assert 'threefold:num_requests_waiting_by_class{model_name="m",request_class="online"} 0.0' in text
+    assert f'threefold:offline_tokens_total{{model_name="m"}} {float(stats.offline_tokens)}' in text
+    assert 'threefold:num_preemptions_by_class_total{model_name="m",request_class="offline"} 1.0' in text
+    assert 'threefold:num_preemptions_by_class_total{model_name="m",request_class="online"} 0.0' in text

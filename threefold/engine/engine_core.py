@@ -20,7 +20,7 @@ from threefold.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-HYBRID_PROFILE_TOKENS = (1, 16, 64, 256, 512)
+HYBRID_PROFILE_TOKENS = (1, 64, 256)
 """Token counts whose forward time calibrates the hybrid step-time predictor (then refitted online)."""
 
 _DEFAULT_KV_FRACTION = 0.2
@@ -72,7 +72,7 @@ class EngineCore:
         from threefold.spec.runner import _dense_forward
         limit = self.scheduler.config.max_num_batched_tokens
         counts = tuple(n for n in HYBRID_PROFILE_TOKENS if n <= limit)
-        cost = profile_step_cost(lambda n: _dense_forward(self.loaded.model, n), counts, repeats=2)
+        cost = profile_step_cost(lambda n: _dense_forward(self.loaded.model, n), counts, repeats=1)
         profile = dict(zip(cost.tokens, cost.seconds, strict=True))
         controller = None if self.runner.spec is None else self.runner.spec.decoder.controller
         if controller is not None:
