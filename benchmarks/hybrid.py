@@ -117,7 +117,8 @@ def main() -> None:
     parser.add_argument("--offline", type=int, default=2000, help="batch lines (half HumanEval, half ShareGPT)")
     parser.add_argument("--online-prompts", type=int, default=200)
     parser.add_argument("--max-output-len", type=int, default=128)
-    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    parser.add_argument("--kv-cache-memory", type=int, default=512 << 20)
+    parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--online-itl-slo", default="100ms")
     parser.add_argument("--online-ttft-slo", default="1s")
     parser.add_argument("--out", default=None)
@@ -128,7 +129,8 @@ def main() -> None:
     online = load_sharegpt(ns.online_prompts, tokenizer, limits, seed=0)
     offline = (load_humaneval(ns.offline // 2, tokenizer, limits, seed=1)
                + load_sharegpt(ns.offline - ns.offline // 2, tokenizer, limits, seed=2, split="train"))
-    base = {"model": ns.model, "kv_cache_memory": ns.kv_cache_memory, "online_itl_slo": ns.online_itl_slo,
+    base = {"model": ns.model, "kv_cache_memory": ns.kv_cache_memory, "max_model_len": ns.max_model_len,
+            "online_itl_slo": ns.online_itl_slo,
             "online_ttft_slo": ns.online_ttft_slo, "max_offline_queued_tokens": 1 << 30}
     capacity = measure_capacity(loaded, base, online[: max(8, ns.online_prompts // 4)])
     cpu = cpu_info()

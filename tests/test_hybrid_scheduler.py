@@ -236,3 +236,12 @@ def test_metrics_report_queues_tokens_and_preemptions_by_class():
     assert f'threefold:offline_tokens_total{{model_name="m"}} {float(stats.offline_tokens)}' in text
     assert 'threefold:num_preemptions_by_class_total{model_name="m",request_class="offline"} 1.0' in text
     assert 'threefold:num_preemptions_by_class_total{model_name="m",request_class="online"} 0.0' in text
+
+
+def test_offline_alone_keeps_steps_short_enough_for_an_online_arrival():
+    s = make(num_blocks=128, budget=64, predictor=cost, online_ttft_slo=0.2)  # steps up to 100 ms: 45 tokens
+    s.add_request(req("off", 100, "offline"))
+    assert run_step(s).num_scheduled_tokens == {"off": 45}
+    u = make(num_blocks=128, budget=64, online_ttft_slo=0.2)  # not calibrated and nothing online: all of it
+    u.add_request(req("off", 100, "offline"))
+    assert run_step(u).num_scheduled_tokens == {"off": 64}

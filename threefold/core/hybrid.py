@@ -9,7 +9,9 @@ latency the step's online requests can afford:
   the ceil(prompt / token budget) chunks a prompt needs gets an equal share of
   `online_ttft_slo`.
 
-A step without online work gives offline the whole token budget. Whatever the
+A step without online work gives offline the whole token budget, as long as the
+step is predicted to take at most half of `online_ttft_slo`: an online request
+that arrives meanwhile waits for it. Whatever the
 online load, offline gets `offline_min_share` of the budget (reserved before
 online is planned), so it never starves.
 """
@@ -38,14 +40,16 @@ class OfflineBudget:
         self.num_tokens = 0
         """Offline tokens granted so far this step."""
         self.limit = step_time_limit(config, online)
-        self.unlimited = not online and not online_waiting
+        if not online and not online_waiting:
+            self.limit = config.online_ttft_slo / 2  # the wait of an online request arriving mid-step
         self.exhausted = False
+        self.online_present = bool(online) or online_waiting
 
     def grant(self, request: Request, num_new: int) -> int:
         """How many of the num_new tokens this offline request may compute this step (0: stop asking)."""
         if self.exhausted or num_new <= 0:
             return 0
-        granted = num_new if self.unlimited else self._fit(request, num_new)
+        granted = self._fit(request, num_new)
         if granted == 0:
             granted = min(num_new, self.floor - self.num_tokens)
         if granted <= 0:
@@ -58,7 +62,7 @@ class OfflineBudget:
     def _fit(self, request: Request, num_new: int) -> int:
         """Largest x <= num_new whose step still meets the limit (the prediction grows with x)."""
         if self.predictor is None or self.limit is None:
-            return 0  # uncalibrated: only the floor, online latency comes first
+            return 0 if self.online_present else num_new  # uncalibrated: online latency comes first
         computed = request.num_computed_tokens
         low, high = 0, num_new
         while low < high:
