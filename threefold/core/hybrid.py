@@ -11,9 +11,11 @@ latency the step's online requests can afford:
 
 A step without online work gives offline the whole token budget, as long as the
 step is predicted to take at most half of `online_ttft_slo`: an online request
-that arrives meanwhile waits for it. Whatever the
-online load, offline gets `offline_min_share` of the budget (reserved before
-online is planned), so it never starves.
+that arrives meanwhile waits for it. Whatever the online load, offline gets at
+least `offline_min_share` of the tokens online computes in the step (one token at
+least; room for it is reserved before online is planned), so it never starves,
+and a step of a few online decodes carries a floor of a token or two, not a
+fixed chunk that would dwarf it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ class OfflineBudget:
                  online: list[Request], online_waiting: bool) -> None:
         self.predictor = predictor
         self.shape = shape
-        self.floor = floor_tokens(config)
+        # The floor scales with the step: offline's share of the tokens online computes in it (at least one).
+        share = config.offline_min_share
+        self.floor = 0 if share <= 0 else max(1, math.ceil(share * shape.num_tokens))
         self.num_tokens = 0
         """Offline tokens granted so far this step."""
         self.limit = step_time_limit(config, online)
@@ -75,6 +79,7 @@ class OfflineBudget:
 
 
 def floor_tokens(config: SchedulerConfig) -> int:
+    """Tokens held back from online planning so the floor always has room."""
     return math.ceil(config.offline_min_share * config.max_num_batched_tokens)
 
 
