@@ -248,3 +248,12 @@ def test_offline_alone_keeps_steps_short_enough_for_an_online_arrival():
     u = make(num_blocks=128, budget=64, online_ttft_slo=0.2)  # not calibrated and nothing online: all of it
     u.add_request(req("off", 100, "offline"))
     assert run_step(u).num_scheduled_tokens == {"off": 64}
+
+
+def test_cli_reads_the_slos_as_durations():
+    from threefold.cli import build_parser, engine_args_from
+    ns = build_parser().parse_args(["serve", "--online-ttft-slo", "1.5s", "--online-itl-slo", "80ms",
+                                    "--scheduling-policy", "fcfs", "--offline-min-share", "0.1"])
+    sched = engine_args_from(ns).configs()[2]
+    assert (sched.online_ttft_slo, sched.scheduling_policy, sched.offline_min_share) == (1.5, "fcfs", 0.1)
+    assert sched.online_itl_slo == pytest.approx(0.08)
