@@ -257,3 +257,16 @@ def test_cli_reads_the_slos_as_durations():
     sched = engine_args_from(ns).configs()[2]
     assert (sched.online_ttft_slo, sched.scheduling_policy, sched.offline_min_share) == (1.5, "fcfs", 0.1)
     assert sched.online_itl_slo == pytest.approx(0.08)
+
+
+def test_a_waiting_offline_request_never_preempts_a_running_one():
+    s = make(num_blocks=8, budget=64, predictor=cost)  # 7 usable blocks
+    s.add_request(req("late-group", 20, "offline", max_tokens=8, arrival=5, start=300))
+    run_step(s)  # 5 blocks held, 2 free
+    s.add_request(req("early", 12, "offline", arrival=0))  # sorts ahead (earlier group), needs 3 blocks
+    assert s.waiting[0].sort_key() < s.running[-1].sort_key()
+    for _ in range(3):
+        out = run_step(s)
+        assert not out.preempted_req_ids and "early" not in out.num_scheduled_tokens
+    s.add_request(req("online", 12, arrival=9))  # online work does take the room
+    assert run_step(s).preempted_req_ids == {"late-group"}

@@ -211,8 +211,8 @@ class Scheduler:
         """A waiting request that outranks the running tail takes its place when room is short."""
         while self.waiting and self.running:
             head, tail = self.waiting[0], self.running[-1]
-            if head.sort_key() >= tail.sort_key():
-                return
+            if head.sort_key() >= tail.sort_key() or head.class_rank == 1:
+                return  # offline work waits for room: its prefix-grouped order must not churn running requests
             need = -(-min(head.num_tokens, plan.budget) // self.kv.block_size)
             if len(self.running) < self.config.max_num_seqs and self.kv.pool.num_free_blocks >= need:
                 return
