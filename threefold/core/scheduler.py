@@ -5,6 +5,11 @@ speculative drafts). Running requests go first, in priority order; when the
 pool runs dry the lowest-priority running request (the tail, never one
 already scheduled this step) is preempted by recompute. Waiting requests are
 admitted, prefix-cache hits first skipped, only if nobody was preempted.
+
+Under the hybrid policy, while offline (batch) requests exist, online work is
+planned first and offline requests only get what threefold/core/hybrid.py's
+OfflineBudget grants; offline requests sort behind every online one, so they
+are the tail that preemption takes first.
 """
 
 from __future__ import annotations
