@@ -77,9 +77,25 @@ class ServerMetrics(StatLogger):
         self._spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                      "Accepted tokens per draft position.", ["model_name", "position"],
                                      registry=self.registry)
+        # Hybrid scheduling: queues and preemptions by request class (online | offline), offline work done.
+        by_class = ["model_name", "request_class"]
+        self._running_by_class = Gauge("threefold:num_requests_running_by_class", "Running requests by class.",
+                                       by_class, registry=self.registry)
+        self._waiting_by_class = Gauge("threefold:num_requests_waiting_by_class", "Waiting requests by class.",
+                                       by_class, registry=self.registry)
+        preemptions = Counter("threefold:num_preemptions_by_class", "Cumulative preemptions by request class.",
+                              by_class, registry=self.registry)
+        self.offline_tokens = counter("threefold:offline_tokens",
+                                      "Tokens computed for offline (batch) requests, prefill and decode.")
         self._tracked: dict[str, _Tracked] = {}
-        self._last_cumulative = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
-                                 "spec_num_drafts": 0, "spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0}
+        self._cumulative = [
+            ("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
+            ("num_preemptions", self.preemptions), ("spec_num_drafts", self.spec_drafts),
+            ("spec_num_draft_tokens", self.spec_draft_tokens), ("spec_num_accepted_tokens", self.spec_accepted),
+            ("offline_tokens", self.offline_tokens),
+            ("num_preemptions_online", preemptions.labels(model_name, "online")),
+            ("num_preemptions_offline", preemptions.labels(model_name, "offline"))]
+        self._last_cumulative = dict.fromkeys((name for name, _ in self._cumulative), 0)
         self._last_per_pos: list[int] = []
 
     def set_cache_config(self, info: dict) -> None:
@@ -120,11 +136,13 @@ class ServerMetrics(StatLogger):
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+        for gauge, total, offline in (
+                (self._running_by_class, stats.num_running, getattr(stats, "num_running_offline", 0)),
+                (self._waiting_by_class, stats.num_waiting, getattr(stats, "num_waiting_offline", 0))):
+            gauge.labels(self._model_name, "online").set(total - offline)
+            gauge.labels(self._model_name, "offline").set(offline)
         # The engine reports cumulative totals; prometheus counters want increments.
-        for name, metric in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
-                             ("num_preemptions", self.preemptions), ("spec_num_drafts", self.spec_drafts),
-                             ("spec_num_draft_tokens", self.spec_draft_tokens),
-                             ("spec_num_accepted_tokens", self.spec_accepted)):
+        for name, metric in self._cumulative:
             total = getattr(stats, name, 0)
             if total > self._last_cumulative[name]:
                 metric.inc(total - self._last_cumulative[name])
