@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from threefold.config import SchedulerConfig
+from threefold.core.external_kv import ExternalKV
 from threefold.core.kv_cache_manager import KVCacheManager
 from threefold.core.outputs import (
     CachedRequestData,
@@ -51,14 +52,17 @@ class _StepPlan:
         self.num_tokens: dict[str, int] = {}
         self.spec: dict[str, list[int]] = {}
         self.preempted: set[str] = set()
+        self.load: list[tuple[int, bytes]] = []
         self.out_of_blocks = False
         """Running requests were preempted for memory: admit nobody new this step."""
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 num_lookahead_tokens: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, external: ExternalKV | None = None) -> None:
         self.config = config
+        self.external = external
+        """The KV offload store (External KV), or None."""
         self.kv = kv
         self.max_model_len = max_model_len
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -96,6 +100,8 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv.free(request)
+        if self.external is not None:
+            self.external.release(request.request_id)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -117,12 +123,15 @@ class Scheduler:
         if not plan.out_of_blocks:
             self._schedule_waiting(plan)
         finished, self.finished_req_ids = self.finished_req_ids, set()
+        loaded = {block_hash for _, block_hash in plan.load}
+        # Loaded blocks are already in the store; everything else published this step is written through.
+        to_store = [e for e in self.kv.pool.drain_cached_events() if e[1] not in loaded]
         return SchedulerOutput(
             scheduled_new_reqs=plan.new, scheduled_cached_reqs=plan.cached,
             num_scheduled_tokens=plan.num_tokens,
             total_num_scheduled_tokens=sum(plan.num_tokens.values()),
             scheduled_spec_token_ids=plan.spec, finished_req_ids=finished,
-            preempted_req_ids=plan.preempted)
+            preempted_req_ids=plan.preempted, blocks_to_load=plan.load, blocks_to_store=to_store)
 
     def _preempt_for_priority(self, plan: _StepPlan) -> None:
         """A waiting request that outranks the running tail takes its place when room is short."""
@@ -177,27 +186,48 @@ class Scheduler:
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, plan.budget)
+            external = self._fetch_external(request, len(computed_blocks))
+            num_external = len(external) * self.kv.block_size
+            num_new = min(request.num_tokens - num_hit - num_external, plan.budget)
             new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks,
-                                                num_lookahead_tokens=self.num_lookahead_tokens)
+                                                num_lookahead_tokens=self.num_lookahead_tokens,
+                                                num_external_computed_tokens=num_external)
             if new_blocks is None:
-                return
+                return  # what was staged stays staged for the next try
             self.waiting.pop(0)
             self.kv.record_lookup(request.num_tokens, num_hit)
+            start = len(computed_blocks)
+            plan.load.extend((block.block_id, request.block_hashes[start + i])
+                             for i, block in enumerate(new_blocks[: len(external)]))
             resumed = request.status == RequestStatus.PREEMPTED
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit
+            request.num_computed_tokens = num_hit + num_external
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
-                request.num_cached_tokens = num_hit
+                request.num_cached_tokens = num_hit + num_external
+                request.cached_tokens_by_tier = _by_tier(num_hit, external, self.kv.block_size)
             block_ids = self.kv.block_ids(request.request_id)
             if resumed and request.request_id not in plan.preempted:
-                plan.cached.append(CachedRequestData(request.request_id, block_ids, num_hit, True))
+                plan.cached.append(CachedRequestData(request.request_id, block_ids, request.num_computed_tokens,
+                                                     True))
             else:
                 plan.new.append(NewRequestData(request.request_id, request.all_token_ids,
-                                               request.sampling_params, block_ids, num_hit))
+                                               request.sampling_params, block_ids, request.num_computed_tokens))
             bisect.insort(self.running, request, key=Request.sort_key)
             self._commit(request, num_new, plan)
+
+    def _fetch_external(self, request: Request, num_local_blocks: int) -> list[str]:
+        """Tiers of the blocks staged from the offload store past the local hit (External KV).
+        The last token always stays to compute: its logits are needed."""
+        if (self.external is None or not self.kv.enable_caching
+                or request.sampling_params.prompt_logprobs is not None):
+            return []
+        max_blocks = (request.num_tokens - 1) // self.kv.block_size
+        hashes = request.block_hashes[num_local_blocks:max_blocks]
+        if not hashes:
+            return []
+        num_after = request.num_tokens - (num_local_blocks + len(hashes)) * self.kv.block_size
+        return self.external.fetch(request.request_id, hashes, num_after)
 
     # ---- drafts ------------------------------------------------------------
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
@@ -258,6 +288,7 @@ class Scheduler:
             return None
         result = EngineCoreOutput(rid, new_ids, out.logprobs.get(rid, [])[: len(new_ids)] or None,
                                   prompt_logprobs, num_cached_tokens=request.num_cached_tokens,
+                                  cached_tokens_by_tier=request.cached_tokens_by_tier or None,
                                   first_scheduled_time=request.first_scheduled_time)
         if num_spec and sampled:
             result.num_draft_tokens, result.num_accepted_tokens = num_spec, num_spec - num_rejected
@@ -272,3 +303,10 @@ class Scheduler:
                               self.kv.stats.queries, self.kv.stats.hits, self.num_preemptions,
                               self.spec_counts[0], self.spec_counts[1], self.spec_counts[2],
                               list(self.spec_accepted_per_pos) or None)
+
+
+def _by_tier(num_local: int, external: list[str], block_size: int) -> dict[str, int]:
+    counts = {"pool": num_local} if num_local else {}
+    for tier in external:
+        counts[tier] = counts.get(tier, 0) + block_size
+    return counts

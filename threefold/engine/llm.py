@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from threefold.engine.llm_engine import EngineArgs, LLMEngine
 from threefold.engine.outputs import RequestOutput, RequestOutputKind
+from threefold.kvstore import OffloadConfig
 from threefold.sample.params import SamplingParams
 
 PromptType = str | dict
@@ -31,12 +32,20 @@ class LLM:
                  enable_prefix_caching: bool = _DEFAULTS.enable_prefix_caching, seed: int = _DEFAULTS.seed,
                  block_size: int = _DEFAULTS.block_size, device: str = _DEFAULTS.device,
                  kv_cache_dtype: str = _DEFAULTS.kv_cache_dtype,
-                 speculative_config: dict | str | None = None) -> None:
+                 speculative_config: dict | str | None = None,
+                 kv_offload_cpu_bytes: int | str | None = None, kv_offload_disk: str | None = None,
+                 kv_offload_disk_bytes: int | str | None = None, kv_offload_redis: str | None = None,
+                 kv_offload_codec: str | None = None, kv_offload_config: str | None = None) -> None:
+        offload = OffloadConfig.from_options(
+            kv_offload_config, kv_offload_cpu_bytes=kv_offload_cpu_bytes, kv_offload_disk=kv_offload_disk,
+            kv_offload_disk_bytes=kv_offload_disk_bytes, kv_offload_redis=kv_offload_redis,
+            kv_offload_codec=kv_offload_codec)
         args = EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                           block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
                           enable_prefix_caching=enable_prefix_caching, seed=seed, device=device,
-                          kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config)
+                          kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config,
+                          kv_offload=offload if offload.enabled else None)
         self.engine = LLMEngine.from_args(args)
         self._ids = itertools.count()
 
@@ -51,6 +60,10 @@ class LLM:
         llm.engine = engine
         llm._ids = itertools.count()
         return llm
+
+    def close(self) -> None:
+        """Finish the KV offload tiers' pending writes and release them (a no-op without tiers)."""
+        self.engine.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
