@@ -16,7 +16,7 @@ from threefold.sample.params import SamplingParams
 from threefold.worker.kv_offload import BlockCodec
 
 BLOCK_BYTES_FP32 = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads of 64, fp32
-POOL = dict(max_model_len=512, kv_cache_memory=40 * BLOCK_BYTES_FP32)  # 40 blocks: fewer than 4 sessions need
+POOL = {"max_model_len": 512, "kv_cache_memory": 40 * BLOCK_BYTES_FP32}  # 40 blocks: fewer than 4 sessions need
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 
 

@@ -27,6 +27,7 @@ from threefold.kv.paged import PagedKVCache
 from threefold.kvstore import TieredKVStore
 from threefold.spec.adaptive import StepCostModel
 
+
 def _parts(storage: torch.Tensor | ScaledStorage) -> list[torch.Tensor]:
     """One layer's storage tensors, each [2, num_blocks, ...] (K and V first, blocks second)."""
     if isinstance(storage, torch.Tensor):
