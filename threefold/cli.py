@@ -42,10 +42,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' '
                              "(methods: ngram, draft_model, medusa, eagle)")
+    from threefold.kvstore import add_offload_args
+    add_offload_args(parser)  # --kv-offload-cpu-bytes/-disk/-disk-bytes/-redis/-codec/-config (issue 12)
 
 
 def engine_args_from(ns: argparse.Namespace):
     from threefold.engine.llm_engine import EngineArgs
+    from threefold.kvstore import OffloadConfig
+    offload = OffloadConfig.from_args(ns)
     return EngineArgs(model=ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len,
                       kv_cache_memory=ns.kv_cache_memory, block_size=ns.block_size, max_num_seqs=ns.max_num_seqs,
                       max_num_batched_tokens=ns.max_num_batched_tokens,
@@ -54,7 +58,8 @@ def engine_args_from(ns: argparse.Namespace):
                       speculative_config=getattr(ns, "speculative_config", None),
                       scheduling_policy=ns.scheduling_policy, online_ttft_slo=ns.online_ttft_slo,
                       online_itl_slo=ns.online_itl_slo, offline_min_share=ns.offline_min_share,
-                      max_offline_queued_tokens=ns.max_offline_queued_tokens)
+                      max_offline_queued_tokens=ns.max_offline_queued_tokens,
+                      kv_offload=offload if offload.enabled else None)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

@@ -8,6 +8,10 @@ A block is in exactly one of three states:
 The free queue is least-recently-freed first: allocation pops from the head,
 so the blocks freed longest ago are the ones whose cached KV is evicted.
 Block 0 is the null block: never allocated, it pads block tables.
+
+Lifecycle events (when `record_events` is on, for the KV offload tiers): "cached"
+(block_id, hash) when a full block is published under its hash, "evicted" when
+a cached block's KV is dropped for reuse. The scheduler drains them each step.
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ class FreeBlockQueue:
 class BlockPool:
     """Owns every KV block. Callers hold blocks by reference count."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"need at least 2 KV blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -84,6 +88,11 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[bytes, KVCacheBlock] = {}
+        self.record_events = record_events
+        self.cached_events: list[tuple[int, bytes]] = []
+        """(block_id, block_hash) of blocks published since the last drain."""
+        self.num_evicted = 0
+        """Cached blocks whose KV was dropped for reuse (cumulative)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -121,6 +130,7 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                self.num_evicted += 1
             block.block_hash = block.token_ids = None
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
@@ -128,7 +138,12 @@ class BlockPool:
         if not self.enable_caching or block.block_hash is not None:
             return
         block.block_hash, block.token_ids = block_hash, token_ids
-        self.cached.setdefault(block_hash, block)
+        if self.cached.setdefault(block_hash, block) is block and self.record_events:
+            self.cached_events.append((block.block_id, block_hash))
+
+    def drain_cached_events(self) -> list[tuple[int, bytes]]:
+        events, self.cached_events = self.cached_events, []
+        return events
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching zero join the queue tail in the given order."""

@@ -29,10 +29,10 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, model_fingerprint: str,
-                 enable_caching: bool = True, kv_cache_spec: str = "auto") -> None:
+                 enable_caching: bool = True, kv_cache_spec: str = "auto", record_events: bool = False) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, record_events)
         self.seed = seed_hash(model_fingerprint, kv_cache_spec)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
@@ -76,15 +76,20 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
-                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+                       num_lookahead_tokens: int = 0,
+                       num_external_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
         """Reserve slots for `num_new_tokens` (+ lookahead for speculative drafts).
 
+        `num_external_computed_tokens` (whole blocks, after the local hit) are
+        loaded from the KV offload store instead of computed: they get the
+        first of the new blocks, and are published like computed ones.
         Returns the newly allocated blocks, or None (nothing changed) when the
         pool cannot hold them.
         """
         computed = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        num_computed = (request.num_computed_tokens + len(computed) * self.block_size
+                        + num_external_computed_tokens)
         num_required = -(-(num_computed + num_new_tokens + num_lookahead_tokens) // self.block_size)
         num_new_blocks = max(0, num_required - len(blocks) - len(computed))
         num_revived = sum(1 for b in computed if b.ref_cnt == 0)

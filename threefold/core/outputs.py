@@ -43,6 +43,11 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     """Requests finished or aborted since last step: the runner drops their state."""
     preempted_req_ids: set[str] = field(default_factory=set)
+    blocks_to_load: list[tuple[int, bytes]] = field(default_factory=list)
+    """(block_id, block_hash) to fill from the KV offload store before the forward (External KV)."""
+    blocks_to_store: list[tuple[int, bytes]] = field(default_factory=list)
+    """(block_id, block_hash) published this step: the runner offloads them after the forward wrote
+    them (write-through; a block cached this step is held by its request, so it cannot be reused first)."""
 
     @property
     def is_empty(self) -> bool:
@@ -86,6 +91,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] | None = None
+    """num_cached_tokens split by where they came from: "pool" (L1) and the offload tiers."""
     error: str | None = None
     first_scheduled_time: float | None = None
     """When the request first got a slot (time.time()), for queue-time metrics."""

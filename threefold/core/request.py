@@ -77,6 +77,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at first schedule (-1 until then)."""
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    """num_cached_tokens by source: "pool" (L1 prefix hits) and KV offload tiers ("cpu", "disk", "redis")."""
     spec_token_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 from threefold.config import SchedulerConfig
+from threefold.core.external_kv import ExternalKV
 from threefold.core.hybrid import OfflineBudget, StepPredictor, floor_tokens
 from threefold.core.kv_cache_manager import KVCacheManager
 from threefold.core.outputs import (
@@ -66,6 +67,7 @@ class _StepPlan:
         self.num_tokens: dict[str, int] = {}
         self.spec: dict[str, list[int]] = {}
         self.preempted: set[str] = set()
+        self.load: list[tuple[int, bytes]] = []
         self.out_of_blocks = False
         """Running requests were preempted for memory: admit nobody new this step."""
         self.shape = BatchShape()
@@ -78,8 +80,11 @@ class _StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 num_lookahead_tokens: int = 0, predictor: StepPredictor | None = None) -> None:
+                 num_lookahead_tokens: int = 0, predictor: StepPredictor | None = None,
+                 external: ExternalKV | None = None) -> None:
         self.config = config
+        self.external = external
+        """The KV offload store (External KV), or None."""
         self.kv = kv
         self.max_model_len = max_model_len
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -164,6 +169,8 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self._leave(request)
         self.kv.free(request)
+        if self.external is not None:
+            self.external.release(request.request_id)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -190,12 +197,15 @@ class Scheduler:
                 self._schedule_waiting(plan)
         self.last_shape = plan.shape
         finished, self.finished_req_ids = self.finished_req_ids, set()
+        loaded = {block_hash for _, block_hash in plan.load}
+        # Loaded blocks are already in the store; everything else published this step is written through.
+        to_store = [e for e in self.kv.pool.drain_cached_events() if e[1] not in loaded]
         return SchedulerOutput(
             scheduled_new_reqs=plan.new, scheduled_cached_reqs=plan.cached,
             num_scheduled_tokens=plan.num_tokens,
             total_num_scheduled_tokens=sum(plan.num_tokens.values()),
             scheduled_spec_token_ids=plan.spec, finished_req_ids=finished,
-            preempted_req_ids=plan.preempted)
+            preempted_req_ids=plan.preempted, blocks_to_load=plan.load, blocks_to_store=to_store)
 
     def _schedule_hybrid(self, plan: _StepPlan) -> None:
         """Online first (running, then waiting) in the budget less offline's floor; offline fills the rest."""
@@ -276,34 +286,56 @@ class Scheduler:
             if request.class_rank != rank:
                 return
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, plan.budget)
+            external = self._fetch_external(request, len(computed_blocks))
+            num_external = len(external) * self.kv.block_size
+            num_resumed = num_hit + num_external
+            num_new = min(request.num_tokens - num_resumed, plan.budget)
             if plan.offline is not None:
-                # Granted against the state it resumes from (num_hit computed).
-                computed, request.num_computed_tokens = request.num_computed_tokens, num_hit
+                # Granted against the state it resumes from (num_resumed computed).
+                computed, request.num_computed_tokens = request.num_computed_tokens, num_resumed
                 num_new = plan.grant(request, num_new)
                 request.num_computed_tokens = computed
                 if num_new <= 0:
                     return
             new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks,
-                                                num_lookahead_tokens=self.num_lookahead_tokens)
+                                                num_lookahead_tokens=self.num_lookahead_tokens,
+                                                num_external_computed_tokens=num_external)
             if new_blocks is None:
-                return
+                return  # what was staged stays staged for the next try
             self.waiting.pop(0)
             self.kv.record_lookup(request.num_tokens, num_hit)
+            start = len(computed_blocks)
+            plan.load.extend((block.block_id, request.block_hashes[start + i])
+                             for i, block in enumerate(new_blocks[: len(external)]))
             resumed = request.status == RequestStatus.PREEMPTED
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit
+            request.num_computed_tokens = num_hit + num_external
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
-                request.num_cached_tokens = num_hit
+                request.num_cached_tokens = num_hit + num_external
+                request.cached_tokens_by_tier = _by_tier(num_hit, external, self.kv.block_size)
             block_ids = self.kv.block_ids(request.request_id)
             if resumed and request.request_id not in plan.preempted:
-                plan.cached.append(CachedRequestData(request.request_id, block_ids, num_hit, True))
+                plan.cached.append(CachedRequestData(request.request_id, block_ids, request.num_computed_tokens,
+                                                     True))
             else:
                 plan.new.append(NewRequestData(request.request_id, request.all_token_ids,
-                                               request.sampling_params, block_ids, num_hit))
+                                               request.sampling_params, block_ids, request.num_computed_tokens))
             bisect.insort(self.running, request, key=Request.sort_key)
             self._commit(request, num_new, plan)
+
+    def _fetch_external(self, request: Request, num_local_blocks: int) -> list[str]:
+        """Tiers of the blocks staged from the offload store past the local hit (External KV).
+        The last token always stays to compute: its logits are needed."""
+        if (self.external is None or not self.kv.enable_caching
+                or request.sampling_params.prompt_logprobs is not None):
+            return []
+        max_blocks = (request.num_tokens - 1) // self.kv.block_size
+        hashes = request.block_hashes[num_local_blocks:max_blocks]
+        if not hashes:
+            return []
+        num_after = request.num_tokens - (num_local_blocks + len(hashes)) * self.kv.block_size
+        return self.external.fetch(request.request_id, hashes, num_after)
 
     # ---- drafts ------------------------------------------------------------
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
@@ -364,6 +396,7 @@ class Scheduler:
             return None
         result = EngineCoreOutput(rid, new_ids, out.logprobs.get(rid, [])[: len(new_ids)] or None,
                                   prompt_logprobs, num_cached_tokens=request.num_cached_tokens,
+                                  cached_tokens_by_tier=request.cached_tokens_by_tier or None,
                                   first_scheduled_time=request.first_scheduled_time)
         if num_spec and sampled:
             result.num_draft_tokens, result.num_accepted_tokens = num_spec, num_spec - num_rejected
@@ -381,3 +414,10 @@ class Scheduler:
                               sum(r.is_offline for r in self.running), sum(r.is_offline for r in self.waiting),
                               self.offline_tokens_scheduled, self.preemptions_by_class["online"],
                               self.preemptions_by_class["offline"])
+
+
+def _by_tier(num_local: int, external: list[str], block_size: int) -> dict[str, int]:
+    counts = {"pool": num_local} if num_local else {}
+    for tier in external:
+        counts[tier] = counts.get(tier, 0) + block_size
+    return counts

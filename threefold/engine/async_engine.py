@@ -174,6 +174,9 @@ class AsyncEngine:
         self._commands.put(_STOP)
         if self._thread is not None:
             self._thread.join(timeout_s)
+        close = getattr(self.engine, "close", None)
+        if close is not None:  # the KV offload tiers finish their writes (the disk tier outlives us)
+            close()
 
     @property
     def is_healthy(self) -> bool:

@@ -14,8 +14,11 @@ from threefold.core.request import Request, RequestStatus
 from threefold.core.scheduler import Scheduler, SchedulerStats
 from threefold.core.step_cost import LinearStepModel
 from threefold.errors import ThreefoldError
+from threefold.kv.registry import make_codec
+from threefold.kvstore import Namespace, OffloadConfig, TieredKVStore
 from threefold.model.loader import LoadedModel
 from threefold.spec.config import SpeculativeConfig
+from threefold.worker.kv_offload import BlockCodec, KVOffload
 from threefold.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -34,7 +37,8 @@ def default_kv_cache_memory() -> int:
 
 class EngineCore:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig,
-                 max_model_len: int, device: str = "cpu", speculative: SpeculativeConfig | None = None) -> None:
+                 max_model_len: int, device: str = "cpu", speculative: SpeculativeConfig | None = None,
+                 offload: OffloadConfig | None = None) -> None:
         self.runner = ModelRunner(loaded, cache.block_size, cache.kv_cache_dtype, device=device,
                                   speculative_config=speculative, max_model_len=max_model_len)
         budget = cache.kv_cache_memory or default_kv_cache_memory()
@@ -47,9 +51,12 @@ class EngineCore:
                 f"or lower max_model_len.", param="kv_cache_memory")
         self.runner.initialize_kv_cache(num_blocks)
         spec = str(self.runner.codec.spec)
-        self.kv = KVCacheManager(num_blocks, cache.block_size, loaded.fingerprint, cache.enable_prefix_caching, spec)
+        self.offload = self._build_offload(loaded, offload, cache) if offload and offload.enabled else None
+        self.kv = KVCacheManager(num_blocks, cache.block_size, loaded.fingerprint, cache.enable_prefix_caching, spec,
+                                 record_events=self.offload is not None)
         lookahead = 0 if speculative is None else speculative.num_lookahead_tokens
-        self.scheduler = Scheduler(sched, self.kv, max_model_len, num_lookahead_tokens=lookahead)
+        self.scheduler = Scheduler(sched, self.kv, max_model_len, num_lookahead_tokens=lookahead,
+                                   external=self.offload)
         self.loaded = loaded
         self.cache_info = {"kv_cache_dtype": spec, "block_size": cache.block_size, "num_blocks": num_blocks - 1,
                            "bytes_per_token": self.runner.bytes_per_block() / cache.block_size,
@@ -58,6 +65,24 @@ class EngineCore:
         logger.info("KV cache: kv_cache_dtype=%s, %.1f bytes/token, %d blocks of %d tokens = %d tokens (%.1f MiB)",
                     spec, self.cache_info["bytes_per_token"], num_blocks - 1,
                     cache.block_size, self.kv.capacity_tokens, budget / 2**20)
+
+    def _build_offload(self, loaded: LoadedModel, config: OffloadConfig, cache: CacheConfig) -> KVOffload:
+        """The tiers under the pool; blocks keyed by the weights' fingerprint, codec and block size."""
+        runner = self.runner
+        assert runner.kv_cache is not None
+        codec = runner.codec if config.codec is None else make_codec(
+            config.codec, loaded.config.num_kv_heads, loaded.config.head_dim, loaded.config.dtype)
+        namespace = Namespace(loaded.fingerprint, str(codec.spec), cache.block_size)
+        offload = KVOffload(TieredKVStore(config, namespace), BlockCodec(runner.kv_cache, codec), cache.block_size)
+        runner.offload = offload
+        logger.info("KV offload: tiers %s, codec %s, %d bytes/block",
+                    [t.name for t in offload.store.tiers], codec.spec, offload.codec.payload_bytes)
+        return offload
+
+    def close(self) -> None:
+        """Finish the offload tiers' pending writes and release them."""
+        if self.offload is not None:
+            self.offload.close()
 
     def add_request(self, request: Request) -> None:
         if request.is_offline and self.scheduler.hybrid and self.scheduler.predictor is None:

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from threefold.engine.llm_engine import EngineArgs, LLMEngine
 from threefold.engine.outputs import RequestOutput, RequestOutputKind
+from threefold.kvstore import OffloadConfig
 from threefold.sample.params import SamplingParams
 
 PromptType = str | dict
@@ -36,7 +37,14 @@ class LLM:
                  online_ttft_slo: float | str = _DEFAULTS.online_ttft_slo,
                  online_itl_slo: float | str = _DEFAULTS.online_itl_slo,
                  offline_min_share: float = _DEFAULTS.offline_min_share,
-                 max_offline_queued_tokens: int = _DEFAULTS.max_offline_queued_tokens) -> None:
+                 max_offline_queued_tokens: int = _DEFAULTS.max_offline_queued_tokens,
+                 kv_offload_cpu_bytes: int | str | None = None, kv_offload_disk: str | None = None,
+                 kv_offload_disk_bytes: int | str | None = None, kv_offload_redis: str | None = None,
+                 kv_offload_codec: str | None = None, kv_offload_config: str | None = None) -> None:
+        offload = OffloadConfig.from_options(
+            kv_offload_config=kv_offload_config, kv_offload_cpu_bytes=kv_offload_cpu_bytes, kv_offload_disk=kv_offload_disk,
+            kv_offload_disk_bytes=kv_offload_disk_bytes, kv_offload_redis=kv_offload_redis,
+            kv_offload_codec=kv_offload_codec)
         args = EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                           block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
@@ -44,7 +52,8 @@ class LLM:
                           kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config,
                           scheduling_policy=scheduling_policy, online_ttft_slo=online_ttft_slo,
                           online_itl_slo=online_itl_slo, offline_min_share=offline_min_share,
-                          max_offline_queued_tokens=max_offline_queued_tokens)
+                          max_offline_queued_tokens=max_offline_queued_tokens,
+                          kv_offload=offload if offload.enabled else None)
         self.engine = LLMEngine.from_args(args)
         self._ids = itertools.count()
 
@@ -59,6 +68,10 @@ class LLM:
         llm.engine = engine
         llm._ids = itertools.count()
         return llm
+
+    def close(self) -> None:
+        """Finish the KV offload tiers' pending writes and release them (a no-op without tiers)."""
+        self.engine.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -20,6 +20,7 @@ from threefold.engine.engine_core import EngineCore
 from threefold.engine.output_processor import OutputProcessor, RequestState
 from threefold.engine.outputs import RequestOutput, RequestOutputKind
 from threefold.errors import ContextLengthError, ThreefoldError
+from threefold.kvstore import OffloadConfig
 from threefold.model.loader import LoadedModel, load_model
 from threefold.sample.params import SamplingParams
 from threefold.spec.config import SpeculativeConfig
@@ -52,6 +53,8 @@ class EngineArgs:
     device: str = "cpu"
     speculative_config: SpeculativeConfig | dict | str | None = None
     """vLLM's shape, e.g. {"method": "ngram", "num_speculative_tokens": 5}; JSON text or a dict."""
+    kv_offload: OffloadConfig | None = None
+    """KV tiers below the pool (host memory, disk, Redis); None = off."""
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -79,7 +82,7 @@ class LLMEngine:
         torch.manual_seed(model_config.seed)
         loaded.precision.log(logger)  # which dtype, on which CPU, and why
         self.core = EngineCore(loaded, cache_config, sched_config, self.max_model_len, args.device,
-                               args.speculative)
+                               args.speculative, args.kv_offload)
         self.processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, RequestState] = {}
         self.child_to_parent: dict[str, tuple[RequestState, int]] = {}
@@ -205,6 +208,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def close(self) -> None:
+        """Release what outlives a step: the KV offload tiers (pending writes are finished)."""
+        self.core.close()
 
     def get_stats(self) -> EngineStats:
         return self.core.stats()

@@ -63,6 +63,7 @@ class RequestState:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] | None = None
     error: str | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -84,7 +85,8 @@ class RequestState:
         outputs = [c.output(self.output_kind) for c in self.completions]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, prompt_logprobs,
                              outputs, finished, self.num_cached_tokens, self.metrics, self.error,
-                             num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted_tokens)
+                             num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted_tokens,
+                             cached_tokens_by_tier=self.cached_tokens_by_tier)
 
 
 class OutputProcessor:
@@ -114,6 +116,7 @@ class OutputProcessor:
             state.prompt_logprobs = [None if p is None else self._position(p) for p in out.prompt_logprobs]
         if completion.index == 0:
             state.num_cached_tokens = out.num_cached_tokens
+            state.cached_tokens_by_tier = out.cached_tokens_by_tier
         state.num_draft_tokens += out.num_draft_tokens
         state.num_accepted_tokens += out.num_accepted_tokens
         if out.new_token_ids:

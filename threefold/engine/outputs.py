@@ -87,6 +87,8 @@ class RequestOutput:
     """Speculative drafts verified for this request so far (all its completions)."""
     num_accepted_tokens: int = 0
     """Of those, the accepted ones: each saved one target forward."""
+    cached_tokens_by_tier: dict[str, int] | None = None
+    """num_cached_tokens by source: "pool" (L1 prefix cache), "cpu" (L2), "disk" (L3), "redis" (L4)."""
 
 
 def merge_deltas(outputs: Sequence[RequestOutput]) -> RequestOutput:

@@ -139,6 +139,11 @@ def make_state(engine: Any, config: ServerConfig) -> ServerState:
     cache_info = getattr(getattr(engine, "core", None), "cache_info", None)
     if cache_info:
         metrics.set_cache_config(cache_info)
+    offload = getattr(getattr(engine, "core", None), "offload", None)
+    if offload is not None:  # threefold:kv_offload_* per tier, read from the store at each scrape
+        from threefold.kvstore.metrics import KVOffloadCollector
+
+        metrics.registry.register(KVOffloadCollector(offload.store.stats, config.model_name, offload.block_size))
     async_engine = AsyncEngine(engine, stat_loggers=[metrics]).start()
     return ServerState(config=config, engine=async_engine, tokenizer=engine.tokenizer, metrics=metrics,
                        max_model_len=engine.max_model_len, generation_defaults=dict(engine.generation_defaults),

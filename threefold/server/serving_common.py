@@ -198,8 +198,17 @@ async def guarded_sse(chunks: AsyncIterator[str], what: str, request_id: str) ->
     yield SSE_DONE
 
 
-def usage(prompt_lens: Sequence[int], num_completion_tokens: int, num_cached_tokens: int) -> dict:
+def usage(prompt_lens: Sequence[int], num_completion_tokens: int, num_cached_tokens: int,
+          outputs: Sequence[Any] = ()) -> dict:
+    """OpenAI's usage block; with KV offload tiers, cached_tokens is also split by tier
+    ("pool" = the engine's prefix cache, "cpu", "disk", "redis") from the final `outputs`."""
     prompt_tokens = sum(prompt_lens)
+    details: dict[str, Any] = {"cached_tokens": num_cached_tokens}
+    by_tier: dict[str, int] = {}
+    for output in outputs:
+        for tier, count in (getattr(output, "cached_tokens_by_tier", None) or {}).items():
+            by_tier[tier] = by_tier.get(tier, 0) + count
+    if any(tier != "pool" for tier in by_tier):
+        details["cached_tokens_by_tier"] = by_tier
     return {"prompt_tokens": prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": prompt_tokens + num_completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+            "total_tokens": prompt_tokens + num_completion_tokens, "prompt_tokens_details": details}

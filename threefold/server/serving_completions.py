@@ -129,7 +129,7 @@ def _response(state: ServerState, plan: _Plan, finals: list[RequestOutput]) -> d
     cached = sum(o.num_cached_tokens for o in finals)
     return {"id": plan.request_id, "object": "text_completion", "created": now_s(),
             "model": state.config.model_name, "choices": choices,
-            "usage": usage([len(p.token_ids) for p in plan.prompts], num_generated, cached)}
+            "usage": usage([len(p.token_ids) for p in plan.prompts], num_generated, cached, finals)}
 
 
 @dataclass
@@ -196,5 +196,6 @@ async def _stream(state: ServerState, plan: _Plan, streams: list[RequestStream],
         num_generated = sum(c.num_tokens for c in cursors.values())
         cached = sum(o.num_cached_tokens for o in finals.values())
         chunk = _chunk(state, plan, [], False)
-        chunk["usage"] = usage([len(p.token_ids) for p in plan.prompts], num_generated, cached)
+        chunk["usage"] = usage([len(p.token_ids) for p in plan.prompts], num_generated, cached,
+                               list(finals.values()))
         yield sse(chunk)

@@ -22,6 +22,7 @@ from threefold.spec.config import SpeculativeConfig
 from threefold.spec.runner import SpecRunner
 from threefold.worker.attention import PagedAttention
 from threefold.worker.batch import RequestStates, StepBatch, build_batch
+from threefold.worker.kv_offload import KVOffload
 
 
 class ModelRunner:
@@ -43,6 +44,8 @@ class ModelRunner:
         self.spec = None if speculative_config is None else SpecRunner.build(
             speculative_config, loaded, max_model_len or loaded.max_model_len)
         """Speculative decoding's half of the runner (verify + propose), or None."""
+        self.offload: KVOffload | None = None
+        """The KV offload tiers' load/store (set by the engine once the pool exists), or None."""
         self.prompt_logprobs_observer: Callable[[str, int, torch.Tensor], None] | None = None
         """Measurement hook (bench quality): sees the full log-distribution rows
         [n, vocab] of prompt positions starting at a position, per request."""
@@ -68,8 +71,13 @@ class ModelRunner:
         assert self.kv_cache is not None, "initialize_kv_cache() before execute()"
         attention = PagedAttention(self.kv_cache, batch.attn, self.config.head_dim ** -0.5, self.config.dtype,
                                    self.kernels)
+        if self.offload is not None:  # External KV: staged blocks go into the pool before the forward reads them
+            self.offload.load(sched.blocks_to_load, list(sched.num_scheduled_tokens))
         start, computed_before = time.perf_counter(), {s.request_id: s.num_computed_tokens for s in batch.order}
         hidden = self.model(batch.input_ids, batch.positions, attention)
+        if self.offload is not None:
+            self.offload.observe_step(len(batch.input_ids), time.perf_counter() - start)
+            self.offload.store_blocks(sched.blocks_to_store)
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if self.spec is None:
             output = self._sample(batch, hidden)
