@@ -42,9 +42,9 @@ class LLM:
                  kv_offload_disk_bytes: int | str | None = None, kv_offload_redis: str | None = None,
                  kv_offload_codec: str | None = None, kv_offload_config: str | None = None) -> None:
         offload = OffloadConfig.from_options(
-            kv_offload_config=kv_offload_config, kv_offload_cpu_bytes=kv_offload_cpu_bytes, kv_offload_disk=kv_offload_disk,
-            kv_offload_disk_bytes=kv_offload_disk_bytes, kv_offload_redis=kv_offload_redis,
-            kv_offload_codec=kv_offload_codec)
+            kv_offload_config=kv_offload_config, kv_offload_cpu_bytes=kv_offload_cpu_bytes,
+            kv_offload_disk=kv_offload_disk, kv_offload_disk_bytes=kv_offload_disk_bytes,
+            kv_offload_redis=kv_offload_redis, kv_offload_codec=kv_offload_codec)
         args = EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                           block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
