@@ -16,16 +16,18 @@ import torch
 
 from threefold.errors import ThreefoldError
 
-ARENA_SHARE = 2
-"""The arena takes at most 1/ARENA_SHARE of the budget: the rest holds the blocks."""
+ARENA_FRACTION = 0.5
+"""The arena takes at most this share of the budget: the rest holds the blocks. (A window of
+R + B tokens in bf16 weighs as much as ~5 R kivi2 tokens: a larger share buys concurrency with
+context, a smaller one context with concurrency; half keeps both within 2x of their best.)"""
 
 
 def window_slots(budget: int, bytes_per_slot: int, max_num_seqs: int) -> int:
     """How many windows the budget gives (never more than max_num_seqs); raises when not one fits."""
-    slots = min(max_num_seqs, budget // ARENA_SHARE // bytes_per_slot)
+    slots = min(max_num_seqs, int(budget * ARENA_FRACTION) // bytes_per_slot)
     if slots < 1:
         raise ThreefoldError(f"kv_cache_memory={budget} bytes cannot hold one request's full-precision window "
-                             f"({bytes_per_slot} bytes, at most 1/{ARENA_SHARE} of the budget); raise "
+                             f"({bytes_per_slot} bytes, at most {ARENA_FRACTION:.0%} of the budget); raise "
                              f"kv_cache_memory or lower the codec's residual.", param="kv_cache_memory")
     return slots
 
