@@ -13,8 +13,8 @@ from collections.abc import Callable
 import torch
 
 from threefold.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from threefold.kernels import cpu_kernels
 from threefold.errors import ThreefoldError
+from threefold.kernels import cpu_kernels
 from threefold.kv.paged import PagedKVCache
 from threefold.kv.registry import make_codec
 from threefold.kv.window import WindowArena
@@ -37,12 +37,11 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.codec = make_codec(kv_cache_dtype, self.config.num_kv_heads, self.config.head_dim, self.config.dtype)
+        self.codec.check_block_size(block_size)
         self.window_tokens = self.codec.window_tokens(block_size)
-        if self.window_tokens:
-            getattr(self.codec, "check_block_size")(block_size)
-            if speculative_config is not None or self.config.sliding_window is not None:
-                raise ThreefoldError(f"kv_cache_dtype {self.codec.spec} does not support speculative decoding or "
-                                     f"sliding-window models yet.", param="kv_cache_dtype")
+        if self.window_tokens and (speculative_config is not None or self.config.sliding_window is not None):
+            raise ThreefoldError(f"kv_cache_dtype {self.codec.spec} does not support speculative decoding or "
+                                 f"sliding-window models yet.", param="kv_cache_dtype")
         self.windows: WindowArena | None = None
         """Windowed codecs (KIVI): each running request's full-precision recent tokens."""
         self.eos_token_ids = list(loaded.eos_token_ids)
