@@ -194,3 +194,18 @@ def test_a_prefix_hit_starts_with_its_tokens_quantized():
     got = _run(cache, arena, codec, q[16:], k[16:], v[16:], [10, 1, 1, 1, 1], start=16)
     ref = _reference(codec, q, k, v, codec.residual, start=16)[16:30]
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_capacity_rows_set_the_windows_aside():
+    from types import SimpleNamespace
+
+    from threefold.kv.capacity import capacity_rows
+
+    config = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    row = capacity_rows(config, 256 << 20, codecs=("kivi2",))[0]
+    window = 30 * 2 * (128 + 32) * 3 * 64 * 2  # R + one block of bf16 K and V, every layer
+    assert row["kv_cache_dtype"] == "kivi2:group=32,residual=128" and row["window_bytes_per_seq"] == window
+    assert row["max_num_seqs"] == (128 << 20) // window
+    # 2-bit K and V codes, fp16 scale + zero per 32 tokens of a key channel and per 32 channels of a value
+    assert row["bytes_per_token"] == 30 * (2 * 3 * 64 * 2 / 8 + 3 * 64 * 4 / 32 + 3 * 2 * 4) == 4320
+    assert row["capacity_tokens"] == ((256 << 20) - row["max_num_seqs"] * window) // (32 * 4320) * 32
