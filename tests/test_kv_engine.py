@@ -108,7 +108,7 @@ def kivi_reference(make_llm):
 
 
 def test_kivi_batch_and_chunk_invariance(make_llm, kivi_reference):
-    for args in [{"max_num_batched_tokens": 512}, {"max_num_batched_tokens": 7, "enable_prefix_caching": False}]:
+    for args in [{"max_num_batched_tokens": 512}, {"max_num_batched_tokens": 24, "enable_prefix_caching": False}]:
         llm = make_llm(kv_cache_dtype=KIVI, **args)
         assert_matches(tokens(llm.generate(KIVI_PROMPTS, GREEDY)), kivi_reference, min_prefix=4)
         assert llm.engine.get_stats().kv_cache_usage == 0.0

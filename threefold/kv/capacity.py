@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from threefold.kv.codecs.kivi import KiviCodec
 from threefold.kv.registry import make_codec
 from threefold.kv.window import WindowArena, window_slots
 
@@ -37,7 +38,7 @@ def capacity_rows(config, budget_bytes: int, block_size: int = 16,
     rows = []
     for spec in codecs:
         codec = make_codec(spec, config.num_kv_heads, config.head_dim, config.dtype)
-        block = math.lcm(block_size, getattr(codec, "group", 1))
+        block = math.lcm(block_size, codec.group) if isinstance(codec, KiviCodec) else block_size
         block_bytes = config.num_layers * codec.bytes_per_block(block)
         window = WindowArena.bytes_per_slot(config.num_layers, codec.window_tokens(block), config.num_kv_heads,
                                             config.head_dim, config.dtype)
