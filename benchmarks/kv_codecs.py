@@ -8,7 +8,7 @@ the model's KV geometry. Quality: ShareGPT test-split conversations concatenated
 contexts of >= 1024 tokens, scored position by position with prefill chunks of 64 tokens,
 so every chunk after the first reads its context back from the compressed cache; ppl, KL
 against `auto` and top-1 agreement over all positions. Speed: one layer's decode attention
-(native kernel) per token at 1k, 4k and 16k contexts, batch 4, against `auto`.
+(native kernel; KIVI: its plain-torch path) per token at 1k and 4k contexts, batch 4, against `auto`.
 """
 
 from __future__ import annotations
@@ -29,16 +29,30 @@ from threefold.kernels import cpu_kernels
 from threefold.kv.native import decode_attention
 from threefold.kv.registry import make_codec
 
-DEFAULT_CODECS = "auto,int8,fp8,fp8_e5m2,int4"
+DEFAULT_CODECS = "auto,int8,fp8,fp8_e5m2,int4,kivi2,kivi4"
 
 
-def memory_rows(config, codecs: list[str], dtype: torch.dtype, block_size: int = 16) -> list[dict]:
+def block_size_for(spec: str) -> int:
+    """16, or KIVI's group (its blocks hold whole key groups)."""
+    codec = make_codec(spec, 1, 128, torch.float32)
+    return max(16, getattr(codec, "group", 16))
+
+
+def memory_rows(config, codecs: list[str], dtype: torch.dtype) -> list[dict]:
+    """Bytes per token with everything counted: blocks, plus (KIVI) one request's full-precision
+    window amortized over a 1k or 4k context."""
     rows = []
     for spec in codecs:
         codec = make_codec(spec, config.num_kv_heads, config.head_dim, dtype)
+        block_size = block_size_for(spec)
         per_token = config.num_layers * codec.bytes_per_block(block_size) / block_size
-        rows.append({"codec": str(codec.spec), "bytes_per_token": per_token,
-                     "tokens_in_256MiB": int((256 << 20) // (per_token * block_size)) * block_size})
+        element = torch.empty((), dtype=dtype).element_size()
+        window = codec.window_tokens(block_size) * config.num_layers * 2 * config.num_kv_heads * config.head_dim \
+            * element
+        rows.append({"codec": str(codec.spec), "block_bytes_per_token": per_token,
+                     "window_bytes_per_seq": window,
+                     "bytes_per_token_1k": per_token + window / 1024, "bytes_per_token_4k": per_token + window / 4096,
+                     "tokens_in_256MiB_at_4k": int((256 << 20) // (per_token + window / 4096))})
     return rows
 
 
@@ -61,6 +75,7 @@ def quality_rows(loaded, codecs: list[str], seqs: list[list[int]], chunk: int) -
 
     def score(spec):
         args = EngineArgs(dtype="float32", kv_cache_dtype=spec, max_num_batched_tokens=chunk,
+                          block_size=block_size_for(spec),
                           kv_cache_memory=256 << 20, max_model_len=len(seqs[0]) + 8)
         return LLM.from_engine(LLMEngine(loaded, args)).score_distributions(seqs)
 
@@ -80,7 +95,7 @@ def quality_rows(loaded, codecs: list[str], seqs: list[list[int]], chunk: int) -
     return rows
 
 
-def speed_rows(config, codecs: list[str], dtype: torch.dtype, lengths=(1024, 4096, 16384), batch=4,
+def speed_rows(config, codecs: list[str], dtype: torch.dtype, lengths=(1024, 4096), batch=4,
                repeats=20) -> list[dict]:
     kernels = cpu_kernels()
     rows = []
@@ -95,6 +110,9 @@ def speed_rows(config, codecs: list[str], dtype: torch.dtype, lengths=(1024, 409
         timings = {}
         for spec in codecs:
             codec = make_codec(spec, kvh, d, dtype)
+            if codec.window_tokens(block_size_for(spec)):
+                timings[spec] = kivi_decode_time(codec, config, length, batch, dtype, repeats)
+                continue
             storage = codec.allocate(num_blocks, block_size, torch.device("cpu"))
             slots = torch.arange(num_blocks * block_size)
             codec.write(storage, slots, torch.randn(len(slots), kvh, d), torch.randn(len(slots), kvh, d))
@@ -112,6 +130,38 @@ def speed_rows(config, codecs: list[str], dtype: torch.dtype, lengths=(1024, 409
         rows.extend({"codec": spec, "context": length, "us_per_token_per_layer": timings[spec] / batch * 1e6,
                      "vs_auto": timings[spec] / timings["auto"]} for spec in codecs)
     return rows
+
+
+def kivi_decode_time(codec, config, length: int, batch: int, dtype: torch.dtype, repeats: int) -> float:
+    """One layer's decode step over KIVI blocks + windows (the plain-torch path: no native kernel yet)."""
+    from threefold.kv.paged import PagedKVCache
+    from threefold.kv.window import WindowArena
+    from threefold.worker.kivi_attention import KiviAttention, KiviRequest
+
+    block_size, kvh, d = codec.group, config.num_kv_heads, config.head_dim
+    per_seq = length // block_size + 1
+    cache = PagedKVCache(codec, 1, batch * per_seq + 1, block_size, torch.device("cpu"))
+    arena = WindowArena(1, batch, codec.window_tokens(block_size), kvh, d, dtype, torch.device("cpu"))
+    requests = []
+    for b in range(batch):
+        ids = torch.arange(1 + b * per_seq, 1 + (b + 1) * per_seq)
+        window = arena.acquire(str(b), 0)
+        request = KiviRequest(0, length - 1, 0, ids, window)
+        KiviAttention(cache, arena, [request], d ** -0.5, codec.residual)(
+            0, torch.randn(length - 1, config.num_heads, d).to(dtype), torch.randn(length - 1, kvh, d).to(dtype),
+            torch.randn(length - 1, kvh, d).to(dtype))
+        window.filled = length - 1
+        requests.append(KiviRequest(b, 1, length - 1, ids, window))
+    step = KiviAttention(cache, arena, requests, d ** -0.5, codec.residual)
+    q, k, v = (torch.randn(batch, n, d).to(dtype) for n in (config.num_heads, kvh, kvh))
+    step(0, q, k, v)
+    best = math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            step(0, q, k, v)  # rewrites the same position: the same work every call
+        best = min(best, (time.perf_counter() - start) / repeats)
+    return best
 
 
 def main() -> None:

@@ -87,9 +87,61 @@ def test_prefix_cache_hits_and_n_completions(make_llm, codec_reference):
 def test_no_prefix_cache_reuse_across_codecs(make_llm):
     prompt = "The same prompt, long enough to fill two blocks of sixteen tokens each, under two codecs."
     hashes = {}
-    for codec in ["auto", "int8", "int4", "int4:group=16"]:
+    for codec in ["auto", "int8", "int4", "int4:group=16", KIVI, "kivi4:group=16,residual=16"]:
         llm = make_llm(kv_cache_dtype=codec)
         llm.generate([prompt], GREEDY)
         hashes[codec] = set(llm.engine.core.kv.pool.cached)
         assert hashes[codec]
     assert all(a.isdisjoint(b) for x, a in hashes.items() for y, b in hashes.items() if x != y)
+
+
+# ---- KIVI: a full-precision window per request beside the quantized blocks -------------------
+KIVI = "kivi2:group=16,residual=16"
+"""2-bit, and a window small enough that these prompts' first blocks are quantized mid-run."""
+KIVI_PROMPTS = [" ".join([p] * 4) for p in PROMPTS[:5]]  # 20-50 tokens, + 12 generated
+
+
+@pytest.fixture(scope="module")
+def kivi_reference(make_llm):
+    llm = make_llm(enable_prefix_caching=False, kv_cache_dtype=KIVI)
+    return [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in KIVI_PROMPTS]
+
+
+def test_kivi_batch_and_chunk_invariance(make_llm, kivi_reference):
+    for args in [{"max_num_batched_tokens": 512}, {"max_num_batched_tokens": 24, "enable_prefix_caching": False}]:
+        llm = make_llm(kv_cache_dtype=KIVI, **args)
+        assert_matches(tokens(llm.generate(KIVI_PROMPTS, GREEDY)), kivi_reference, min_prefix=4)
+        assert llm.engine.get_stats().kv_cache_usage == 0.0
+        llm.engine.core.step()  # the runner hears of the last finished requests on the next step
+        assert llm.engine.core.runner.windows.windows == {}  # every window given back
+
+
+def test_kivi_outputs_stay_close_to_auto(make_llm, kivi_reference):
+    auto = tokens(make_llm(enable_prefix_caching=False).generate(KIVI_PROMPTS, GREEDY))
+    assert sum(a[:4] == b[:4] for a, b in zip(auto, kivi_reference, strict=True)) >= 3, (auto, kivi_reference)
+
+
+def test_kivi_preemption_under_a_tiny_pool(make_llm, kivi_reference, monkeypatch):
+    monkeypatch.setattr("threefold.kv.window.ARENA_FRACTION", 0.85)  # room for two windows beside 6 blocks
+    probe = make_llm(kv_cache_dtype=KIVI).engine.core
+    window, block = probe.runner.window_bytes_per_seq(), probe.runner.bytes_per_block()
+    llm = make_llm(kv_cache_memory=2 * window + 6 * block, max_model_len=96, kv_cache_dtype=KIVI)
+    core = llm.engine.core
+    assert core.kv.capacity_tokens == 6 * 16 and core.cache_info["max_num_seqs"] == 2
+    assert_matches(tokens(llm.generate(KIVI_PROMPTS, GREEDY)), kivi_reference, min_prefix=4)
+    stats = llm.engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.kv_cache_usage == 0.0
+    core.step()
+    assert core.kv.req_to_blocks == {} and core.runner.windows.windows == {}
+
+
+def test_kivi_prefix_cache_hits(make_llm):
+    llm = make_llm(kv_cache_dtype=KIVI)
+    prefix = "You are a helpful assistant. Answer briefly and precisely, in one sentence. " * 2
+    first = llm.generate([prefix + "What is a cat?"], GREEDY)[0]
+    second = llm.generate([prefix + "What is a dog?"], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens >= 16 * (len(first.prompt_token_ids) // 16 - 1) > 0
+    cold = make_llm(enable_prefix_caching=False, kv_cache_dtype=KIVI).generate([prefix + "What is a dog?"], GREEDY)
+    assert second.outputs[0].token_ids[:4] == cold[0].outputs[0].token_ids[:4]
+    assert llm.engine.get_stats().kv_cache_usage == 0.0

@@ -131,11 +131,11 @@ def cmd_info(ns: argparse.Namespace) -> int:
     budget = ns.kv_cache_memory or 256 << 20
     print(f"{ns.model}: {config.num_layers} layers, {config.num_kv_heads} KV heads x {config.head_dim}, "
           f"{str(config.dtype).removeprefix('torch.')}; KV budget {budget / 2**20:.0f} MiB")
-    print(f"{'kv_cache_dtype':<16} {'bytes/token':>12} {'tokens':>10} {'vs auto':>8}")
+    print(f"{'kv_cache_dtype':<28} {'bytes/token':>12} {'tokens':>10} {'vs auto':>8} {'max seqs':>9}")
     rows = capacity_rows(config, budget, ns.block_size)
     for row in rows:
-        print(f"{row['kv_cache_dtype']:<16} {row['bytes_per_token']:>12.0f} {row['capacity_tokens']:>10} "
-              f"{row['capacity_tokens'] / max(rows[0]['capacity_tokens'], 1):>7.2f}x")
+        print(f"{row['kv_cache_dtype']:<28} {row['bytes_per_token']:>12.0f} {row['capacity_tokens']:>10} "
+              f"{row['capacity_tokens'] / max(rows[0]['capacity_tokens'], 1):>7.2f}x {row['max_num_seqs']:>9}")
     return 0
 
 

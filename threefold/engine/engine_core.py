@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -15,6 +16,7 @@ from threefold.core.scheduler import Scheduler, SchedulerStats
 from threefold.core.step_cost import LinearStepModel
 from threefold.errors import ThreefoldError
 from threefold.kv.registry import make_codec
+from threefold.kv.window import window_slots
 from threefold.kvstore import Namespace, OffloadConfig, TieredKVStore
 from threefold.model.loader import LoadedModel
 from threefold.spec.config import SpeculativeConfig
@@ -42,14 +44,20 @@ class EngineCore:
         self.runner = ModelRunner(loaded, cache.block_size, cache.kv_cache_dtype, device=device,
                                   speculative_config=speculative, max_model_len=max_model_len)
         budget = cache.kv_cache_memory or default_kv_cache_memory()
-        num_blocks = budget // self.runner.bytes_per_block() + 1  # +1: the null block
+        window_bytes = self.runner.window_bytes_per_seq()
+        num_windows = window_slots(budget, window_bytes, sched.max_num_seqs) if window_bytes else 0
+        if num_windows:  # a windowed codec (KIVI): the windows come out of the same budget
+            sched = dataclasses.replace(sched, max_num_seqs=num_windows)
+            logger.info("KV cache: %d full-precision windows of %.1f MiB bound max_num_seqs to %d",
+                        num_windows, window_bytes / 2**20, num_windows)
+        num_blocks = (budget - num_windows * window_bytes) // self.runner.bytes_per_block() + 1  # +1: the null block
         min_blocks = -(-max_model_len // cache.block_size) + 1
         if num_blocks < min_blocks:
             raise ThreefoldError(
                 f"kv_cache_memory={budget} bytes holds {num_blocks - 1} blocks, fewer than the "
                 f"{min_blocks - 1} one {max_model_len}-token request needs; raise kv_cache_memory "
                 f"or lower max_model_len.", param="kv_cache_memory")
-        self.runner.initialize_kv_cache(num_blocks)
+        self.runner.initialize_kv_cache(num_blocks, num_windows)
         spec = str(self.runner.codec.spec)
         self.offload = self._build_offload(loaded, offload, cache) if offload and offload.enabled else None
         self.kv = KVCacheManager(num_blocks, cache.block_size, loaded.fingerprint, cache.enable_prefix_caching, spec,
@@ -60,7 +68,8 @@ class EngineCore:
         self.loaded = loaded
         self.cache_info = {"kv_cache_dtype": spec, "block_size": cache.block_size, "num_blocks": num_blocks - 1,
                            "bytes_per_token": self.runner.bytes_per_block() / cache.block_size,
-                           "capacity_tokens": self.kv.capacity_tokens, "kv_cache_memory": budget}
+                           "capacity_tokens": self.kv.capacity_tokens, "kv_cache_memory": budget,
+                           "window_bytes_per_seq": window_bytes, "max_num_seqs": sched.max_num_seqs}
         """What the KV pool holds (startup log, /metrics, `threefold info`)."""
         logger.info("KV cache: kv_cache_dtype=%s, %.1f bytes/token, %d blocks of %d tokens = %d tokens (%.1f MiB)",
                     spec, self.cache_info["bytes_per_token"], num_blocks - 1,

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from threefold.kv.codecs.kivi import KiviCodec
 from threefold.kv.registry import make_codec
+from threefold.kv.window import WindowArena, window_slots
 
-SHOWN_CODECS = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4")
+SHOWN_CODECS = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "kivi2", "kivi4")
 
 
 def arch_config(model: str, dtype: str = "auto"):
@@ -27,12 +31,19 @@ def arch_config(model: str, dtype: str = "auto"):
 
 
 def capacity_rows(config, budget_bytes: int, block_size: int = 16,
-                  codecs: tuple[str, ...] = SHOWN_CODECS) -> list[dict]:
-    """Per codec: resolved spec, bytes per token (all layers, codes + scales + zeros), tokens in the budget."""
+                  codecs: tuple[str, ...] = SHOWN_CODECS, max_num_seqs: int = 256) -> list[dict]:
+    """Per codec: resolved spec, bytes per token (all layers, codes + scales + zeros), tokens in the
+    budget. A windowed codec (KIVI) first sets aside its requests' full-precision windows, as the
+    engine does, at a block size that is a multiple of its group."""
     rows = []
     for spec in codecs:
         codec = make_codec(spec, config.num_kv_heads, config.head_dim, config.dtype)
-        block_bytes = config.num_layers * codec.bytes_per_block(block_size)
-        rows.append({"kv_cache_dtype": str(codec.spec), "bytes_per_token": block_bytes / block_size,
-                     "capacity_tokens": budget_bytes // block_bytes * block_size})
+        block = math.lcm(block_size, codec.group) if isinstance(codec, KiviCodec) else block_size
+        block_bytes = config.num_layers * codec.bytes_per_block(block)
+        window = WindowArena.bytes_per_slot(config.num_layers, codec.window_tokens(block), config.num_kv_heads,
+                                            config.head_dim, config.dtype)
+        seqs = window_slots(budget_bytes, window, max_num_seqs) if window else max_num_seqs
+        rows.append({"kv_cache_dtype": str(codec.spec), "bytes_per_token": block_bytes / block,
+                     "capacity_tokens": (budget_bytes - (seqs * window if window else 0)) // block_bytes * block,
+                     "window_bytes_per_seq": window, "max_num_seqs": seqs})
     return rows

@@ -80,6 +80,13 @@ class KVCodec(ABC, Generic[StorageT]):
     def layout(self, storage: StorageT) -> KVLayout:
         """The storage as the native attention kernel reads it."""
 
+    def check_block_size(self, block_size: int) -> None:
+        """Raise a ThreefoldError if blocks of `block_size` tokens cannot hold this codec."""
+
+    def window_tokens(self, block_size: int) -> int:
+        """Full-precision tokens per layer each running request keeps beside its blocks (KIVI's window)."""
+        return 0
+
     def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [T, kvh, d] as `read` would return them once written (lossless codecs: unchanged)."""
         return k, v

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from threefold.kv.codec import DenseCodec, KVCodec
+from threefold.kv.codecs.kivi import KiviCodec
 from threefold.kv.codecs.scaled import Fp8Codec, Int4Codec, Int8Codec
 from threefold.kv.spec import KVSpec, parse_kv_spec
 
@@ -14,6 +15,8 @@ CODECS: dict[str, type[KVCodec]] = {
     "fp8_e4m3": Fp8Codec,
     "fp8_e5m2": Fp8Codec,
     "int4": Int4Codec,
+    "kivi2": KiviCodec,
+    "kivi4": KiviCodec,
 }
 
 

@@ -20,8 +20,13 @@ class Param:
     """One integer parameter of a codec, with its allowed values."""
 
     default: int
-    choices: tuple[int, ...]
+    choices: tuple[int, ...] | range
     help: str
+
+    def choices_text(self) -> str:
+        if isinstance(self.choices, range):
+            return f"[{self.choices.start}, {self.choices.start + self.choices.step}, ..., {self.choices[-1]}]"
+        return str(list(self.choices))
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,8 @@ class KVSpec:
 
 
 _GROUPS = (8, 16, 32, 64, 128)
+_KIVI = {"group": Param(32, _GROUPS, "tokens per key scale (keys per channel) and channels per value scale"),
+         "residual": Param(128, range(0, 1025, 8), "recent tokens kept in full precision, a multiple of group")}
 
 SCHEMAS: dict[str, dict[str, Param]] = {
     "auto": {},
@@ -49,6 +56,8 @@ SCHEMAS: dict[str, dict[str, Param]] = {
     "fp8_e4m3": {},
     "fp8_e5m2": {},
     "int4": {"group": Param(32, _GROUPS, "head_dim channels sharing one scale and zero point")},
+    "kivi2": _KIVI,
+    "kivi4": _KIVI,
 }
 """Every codec's parameters. A new codec adds one line here and one class in kv/codecs."""
 
@@ -72,14 +81,19 @@ def parse_kv_spec(text: str) -> KVSpec:
         raise ThreefoldError(f"unknown kv_cache_dtype {text!r}; choices: {choices_text()}.", param="kv_cache_dtype")
     given = _parse_params(text, rest, schema)
     params = tuple((key, given.get(key, p.default)) for key, p in schema.items())
-    return KVSpec(name, params)
+    spec = KVSpec(name, params)
+    if name.startswith("kivi") and spec["residual"] % spec["group"]:
+        raise ThreefoldError(f"kv_cache_dtype {text!r}: residual={spec['residual']} must be a multiple of "
+                             f"group={spec['group']} (KIVI quantizes the window a whole group at a time).",
+                             param="kv_cache_dtype")
+    return spec
 
 
 def _parse_params(text: str, rest: str, schema: dict[str, Param]) -> dict[str, int]:
     given: dict[str, int] = {}
     if not rest.strip():
         return given
-    allowed = ", ".join(f"{k} in {list(p.choices)} ({p.help})" for k, p in schema.items()) or "none"
+    allowed = ", ".join(f"{k} in {p.choices_text()} ({p.help})" for k, p in schema.items()) or "none"
     for item in rest.split(","):
         key, eq, value = (part.strip() for part in item.partition("="))
         if not eq or not key or not value:
@@ -94,9 +108,9 @@ def _parse_params(text: str, rest: str, schema: dict[str, Param]) -> dict[str, i
             number = int(value)
         except ValueError:
             raise ThreefoldError(f"kv_cache_dtype {text!r}: {key}={value!r} is not an integer; "
-                                 f"{key} in {list(schema[key].choices)}.", param="kv_cache_dtype") from None
+                                 f"{key} in {schema[key].choices_text()}.", param="kv_cache_dtype") from None
         if number not in schema[key].choices:
             raise ThreefoldError(f"kv_cache_dtype {text!r}: {key}={number} is out of range; "
-                                 f"{key} in {list(schema[key].choices)}.", param="kv_cache_dtype")
+                                 f"{key} in {schema[key].choices_text()}.", param="kv_cache_dtype")
         given[key] = number
     return given

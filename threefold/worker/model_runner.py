@@ -13,15 +13,18 @@ from collections.abc import Callable
 import torch
 
 from threefold.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from threefold.errors import ThreefoldError
 from threefold.kernels import cpu_kernels
 from threefold.kv.paged import PagedKVCache
 from threefold.kv.registry import make_codec
+from threefold.kv.window import WindowArena
 from threefold.model.loader import LoadedModel
 from threefold.sample.sampler import Sampler, SamplingMetadata, compute_logprobs_tensors
 from threefold.spec.config import SpeculativeConfig
 from threefold.spec.runner import SpecRunner
 from threefold.worker.attention import PagedAttention
 from threefold.worker.batch import RequestStates, StepBatch, build_batch
+from threefold.worker.kivi_attention import build_kivi_attention
 from threefold.worker.kv_offload import KVOffload
 
 
@@ -35,6 +38,13 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.codec = make_codec(kv_cache_dtype, self.config.num_kv_heads, self.config.head_dim, self.config.dtype)
+        self.codec.check_block_size(block_size)
+        self.window_tokens = self.codec.window_tokens(block_size)
+        if self.window_tokens and (speculative_config is not None or self.config.sliding_window is not None):
+            raise ThreefoldError(f"kv_cache_dtype {self.codec.spec} does not support speculative decoding or "
+                                 f"sliding-window models yet.", param="kv_cache_dtype")
+        self.windows: WindowArena | None = None
+        """Windowed codecs (KIVI): each running request's full-precision recent tokens."""
         self.eos_token_ids = list(loaded.eos_token_ids)
         self.requests = RequestStates(block_size, self.config.vocab_size, self.device)
         self.kv_cache: PagedKVCache | None = None
@@ -53,12 +63,25 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         return PagedKVCache.bytes_per_block(self.codec, self.config.num_layers, self.block_size)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def window_bytes_per_seq(self) -> int:
+        """Bytes of one running request's full-precision window (0: the codec keeps none)."""
+        if not self.window_tokens:
+            return 0
+        return WindowArena.bytes_per_slot(self.config.num_layers, self.window_tokens, self.config.num_kv_heads,
+                                          self.config.head_dim, self.config.dtype)
+
+    def initialize_kv_cache(self, num_blocks: int, num_windows: int = 0) -> None:
         self.kv_cache = PagedKVCache(self.codec, self.config.num_layers, num_blocks, self.block_size, self.device)
+        if self.window_tokens:
+            self.windows = WindowArena(self.config.num_layers, num_windows, self.window_tokens,
+                                       self.config.num_kv_heads, self.config.head_dim, self.config.dtype, self.device)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.requests.update(sched)
+        if self.windows is not None:
+            for request_id in sched.finished_req_ids | sched.preempted_req_ids:
+                self.windows.release(request_id)
         if self.spec is not None:
             for request_id in sched.finished_req_ids | sched.preempted_req_ids:
                 self.spec.remove(request_id)
@@ -69,8 +92,7 @@ class ModelRunner:
                             self.requests.block_table, self.device, self.config.sliding_window,
                             native_decode=self.kernels is not None)
         assert self.kv_cache is not None, "initialize_kv_cache() before execute()"
-        attention = PagedAttention(self.kv_cache, batch.attn, self.config.head_dim ** -0.5, self.config.dtype,
-                                   self.kernels)
+        attention = self._attention(batch)
         if self.offload is not None:  # External KV: staged blocks go into the pool before the forward reads them
             self.offload.load(sched.blocks_to_load, list(sched.num_scheduled_tokens))
         start, computed_before = time.perf_counter(), {s.request_id: s.num_computed_tokens for s in batch.order}
@@ -89,7 +111,18 @@ class ModelRunner:
         output.prompt_logprobs = prompt_logprobs
         for state in batch.order:
             state.num_computed_tokens += sched.num_scheduled_tokens[state.request_id]
+            if self.windows is not None:
+                self.windows.windows[state.request_id].filled = state.num_computed_tokens
         return output
+
+    def _attention(self, batch: StepBatch):
+        assert self.kv_cache is not None
+        scale = self.config.head_dim ** -0.5
+        if self.windows is None:
+            return PagedAttention(self.kv_cache, batch.attn, scale, self.config.dtype, self.kernels)
+        table = self.requests.block_table
+        return build_kivi_attention(self.kv_cache, self.windows, batch.order, batch.query_starts, batch.query_lens,
+                                    lambda state: table.block_ids(state.row), scale)
 
     def _sample(self, batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
         if not batch.sampling_states:
