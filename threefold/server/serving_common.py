@@ -26,6 +26,11 @@ logger = logging.getLogger(__name__)
 
 STREAMS_SCOPE_KEY = "threefold.streams"
 """The ASGI scope key under which a request lists its engine streams (aborted when the HTTP call ends)."""
+REQUEST_CLASS_SCOPE_KEY = "threefold.request_class"
+"""The ASGI scope key naming the request class: absent for HTTP calls ("online"); the batch runner sets
+"offline" on the requests it builds for the same handlers."""
+OFFLINE_PRIORITY = 1000
+"""Priority of offline (batch) requests on an engine without request classes: after any online one."""
 
 # Request fields that fall back to the model's generation_config.json when unset.
 _DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -49,6 +54,8 @@ class ServerState:
     """Set on SIGTERM: new requests get 503 while in-flight ones finish."""
     num_inflight: int = 0
     """HTTP requests being served now (the middleware counts them)."""
+    batch: Any = None
+    """The Batch API service (serving_batch.BatchService) when the server has a batch dir; else None."""
 
 
 def random_id(prefix: str) -> str:
@@ -98,10 +105,13 @@ def check_stream_options(req: SamplingRequest) -> None:
 async def submit(state: ServerState, raw_request: Request, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, priority: int) -> RequestStream:
     """Admit one engine request; it is aborted automatically if the HTTP call ends before it does."""
+    offline = raw_request.scope.get(REQUEST_CLASS_SCOPE_KEY) == "offline"
     limit = state.config.max_queued_requests
-    if limit is not None and state.engine.num_waiting >= limit:
+    if limit is not None and state.engine.num_waiting >= limit and not offline:  # batch work bounds itself
         raise ServerError(f"The server is overloaded: {limit} requests are already waiting. Retry later.",
                           503, retry_after_s=state.config.retry_after_s)
+    if offline:  # the one place batch work is marked as such for the engine
+        priority = max(priority, OFFLINE_PRIORITY)
     stream = await state.engine.add_request(request_id, prompt_ids, params, priority=priority,
                                             arrival_time=time.time())
     raw_request.scope.setdefault(STREAMS_SCOPE_KEY, []).append(stream)
