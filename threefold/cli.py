@@ -7,7 +7,7 @@ import os
 import sys
 import uuid
 
-from threefold.config import DTYPES, CacheConfig, ModelConfig, SchedulerConfig
+from threefold.config import DTYPES, SCHEDULING_POLICIES, CacheConfig, ModelConfig, SchedulerConfig
 from threefold.errors import ThreefoldError
 
 
@@ -22,6 +22,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens,
                         help="tokens per step: prefill chunks and decodes together")
+    parser.add_argument("--scheduling-policy", default=sched.scheduling_policy, choices=SCHEDULING_POLICIES,
+                        help="hybrid: online first, offline (batch) work fills the latency budget left; "
+                             "fcfs: offline mixes in like online")
+    parser.add_argument("--online-ttft-slo", default=sched.online_ttft_slo,
+                        help="online time-to-first-token target offline work must keep, e.g. 1s or 500ms")
+    parser.add_argument("--online-itl-slo", default=sched.online_itl_slo,
+                        help="online inter-token latency target offline work must keep, e.g. 100ms")
+    parser.add_argument("--offline-min-share", type=float, default=sched.offline_min_share,
+                        help="share of each step's token budget offline work always gets (its floor)")
+    parser.add_argument("--max-offline-queued-tokens", type=int, default=sched.max_offline_queued_tokens,
+                        help="most prompt + max_tokens of unfinished offline requests")
     parser.add_argument("--block-size", type=int, default=cache.block_size)
     parser.add_argument("--kv-cache-dtype", default=cache.kv_cache_dtype,
                         help="KV codec: auto, int8, fp8 (=fp8_e4m3), fp8_e5m2, int4[:group=32]")
@@ -40,7 +51,10 @@ def engine_args_from(ns: argparse.Namespace):
                       max_num_batched_tokens=ns.max_num_batched_tokens,
                       enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed,
                       kv_cache_dtype=ns.kv_cache_dtype,
-                      speculative_config=getattr(ns, "speculative_config", None))
+                      speculative_config=getattr(ns, "speculative_config", None),
+                      scheduling_policy=ns.scheduling_policy, online_ttft_slo=ns.online_ttft_slo,
+                      online_itl_slo=ns.online_itl_slo, offline_min_share=ns.offline_min_share,
+                      max_offline_queued_tokens=ns.max_offline_queued_tokens)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

@@ -56,12 +56,46 @@ class CacheConfig:
         parse_kv_spec(self.kv_cache_dtype)  # raises, listing the codecs and their parameters
 
 
+SCHEDULING_POLICIES = ("hybrid", "fcfs")
+"""SchedulerConfig.scheduling_policy's values: hybrid runs online work first and fits offline
+work into the latency budget left; fcfs treats offline requests like online ones (the naive mix)."""
+
+_DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "": 1.0}
+
+
+def parse_duration(value: str | float | int, param: str = "duration") -> float:
+    """Seconds from 100ms, 1s, 1.5, 2m or a number (seconds); ThreefoldError otherwise."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        text = str(value).strip().lower()
+        number = text.rstrip("ms")
+        unit = text[len(number):]
+        try:
+            seconds = float(number) * _DURATION_UNITS[unit]
+        except (KeyError, ValueError):
+            raise ThreefoldError(f"cannot read {value!r} as a duration; write e.g. 100ms, 1s or 0.5",
+                                 param=param) from None
+    _require(seconds > 0, f"{param} must be a positive duration, got {value!r}.", param)
+    return seconds
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
     """Most requests running at once."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step: prefill chunks and decodes share it."""
+    scheduling_policy: str = "hybrid"
+    """hybrid: online first, offline fills the latency budget left; fcfs: offline mixes in like online."""
+    online_ttft_slo: float = 1.0
+    """Seconds: the time to first token that offline work must not push online requests past."""
+    online_itl_slo: float = 0.1
+    """Seconds: the inter-token latency (one step) that offline work must not push online decodes past."""
+    offline_min_share: float = 0.05
+    """Share of max_num_batched_tokens offline work gets every step whatever the online load (its floor)."""
+    max_offline_queued_tokens: int = 4_000_000
+    """Most prompt + max_tokens of unfinished offline requests; adding more is refused (429)."""
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}.",
@@ -69,3 +103,13 @@ class SchedulerConfig:
         _require(self.max_num_batched_tokens >= 1,
                  f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.",
                  "max_num_batched_tokens")
+        _require(self.scheduling_policy in SCHEDULING_POLICIES,
+                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}.",
+                 "scheduling_policy")
+        for name in ("online_ttft_slo", "online_itl_slo"):
+            object.__setattr__(self, name, parse_duration(getattr(self, name), name))
+        _require(0.0 <= self.offline_min_share <= 1.0,
+                 f"offline_min_share must be within [0, 1], got {self.offline_min_share}.", "offline_min_share")
+        _require(self.max_offline_queued_tokens >= 1,
+                 f"max_offline_queued_tokens must be at least 1, got {self.max_offline_queued_tokens}.",
+                 "max_offline_queued_tokens")

@@ -6,7 +6,18 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from threefold.errors import ThreefoldError
 from threefold.sample.params import SamplingParams
+
+REQUEST_CLASSES = ("online", "offline")
+"""online: interactive, scheduled first; offline: batch work that fills the budget online leaves."""
+
+
+def check_request_class(request_class: object) -> str:
+    if request_class not in REQUEST_CLASSES:
+        raise ThreefoldError(f"request_class must be one of {REQUEST_CLASSES}, got {request_class!r}.",
+                             param="request_class")
+    return str(request_class)
 
 
 class RequestStatus(enum.IntEnum):
@@ -55,6 +66,12 @@ class Request:
     priority: int = 0
     """Lower runs first; FCFS within a level."""
     arrival_time: float = field(default_factory=time.time)
+    request_class: str = "online"
+    """online or offline (REQUEST_CLASSES)."""
+    class_rank: int = 0
+    """Set by the scheduler: 1 puts an offline request behind every online one (hybrid policy)."""
+    group_key: float = 0.0
+    """Set by the scheduler: offline requests sharing a first block sort together (the group's first arrival)."""
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -97,8 +114,12 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    def sort_key(self) -> tuple[int, float, str]:
-        return (self.priority, self.arrival_time, self.request_id)
+    @property
+    def is_offline(self) -> bool:
+        return self.request_class == "offline"
+
+    def sort_key(self) -> tuple[int, int, float, float, str]:
+        return (self.class_rank, self.priority, self.group_key, self.arrival_time, self.request_id)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from threefold.config import SchedulerConfig
+from threefold.core.hybrid import OfflineBudget, StepPredictor, floor_tokens
 from threefold.core.kv_cache_manager import KVCacheManager
 from threefold.core.outputs import (
     CachedRequestData,
@@ -23,6 +24,8 @@ from threefold.core.outputs import (
     SchedulerOutput,
 )
 from threefold.core.request import Request, RequestStatus
+from threefold.core.step_cost import BatchShape
+from threefold.errors import ThreefoldError
 
 
 @dataclass
@@ -39,6 +42,13 @@ class SchedulerStats:
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] | None = None
     """Accepted drafts by draft position (None when nothing was drafted yet)."""
+    num_running_offline: int = 0
+    """Offline (batch) requests among num_running; the rest are online."""
+    num_waiting_offline: int = 0
+    offline_tokens: int = 0
+    """Cumulative tokens computed for offline requests (prefill and decode)."""
+    num_preemptions_online: int = 0
+    num_preemptions_offline: int = 0
 
 
 class _StepPlan:
@@ -53,11 +63,17 @@ class _StepPlan:
         self.preempted: set[str] = set()
         self.out_of_blocks = False
         """Running requests were preempted for memory: admit nobody new this step."""
+        self.shape = BatchShape()
+        self.offline: OfflineBudget | None = None
+        """Set once online work is planned (hybrid policy): what offline requests may add."""
+
+    def grant(self, request: Request, num_new: int) -> int:
+        return num_new if self.offline is None else self.offline.grant(request, num_new)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 num_lookahead_tokens: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, predictor: StepPredictor | None = None) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -69,13 +85,59 @@ class Scheduler:
         self.num_preemptions = 0
         self.spec_counts = [0, 0, 0]  # drafts (verify steps with drafts), draft tokens, accepted tokens
         self.spec_accepted_per_pos: list[int] = []
+        self.hybrid = config.scheduling_policy == "hybrid"
+        self.predictor = predictor
+        """Step time over a batch's shape; the engine sets it (calibrated) before offline work runs."""
+        self.last_shape = BatchShape()
+        """The shape of the step schedule() returned last (the engine times it to refit the predictor)."""
+        self.offline_tokens_scheduled = 0
+        self.preemptions_by_class = {"online": 0, "offline": 0}
+        self.offline_queued_tokens = 0
+        """prompt + max_tokens of unfinished offline requests (the queue limit's count)."""
+        self.offline_groups: dict[bytes, list] = {}
+        """First-block key -> [group's first arrival, live members]: offline requests sharing it sort together."""
 
     # ---- queue bookkeeping -------------------------------------------------
+    def check_offline_room(self, num_tokens: int) -> None:
+        """Refuse offline work past max_offline_queued_tokens (the batch runner holds lines back)."""
+        limit = self.config.max_offline_queued_tokens
+        if self.offline_queued_tokens + num_tokens > limit:
+            raise ThreefoldError(
+                f"The offline queue is full: {self.offline_queued_tokens} of {limit} tokens (prompt + max_tokens) "
+                f"are queued and this request needs {num_tokens}; retry when some finish.",
+                param="request_class", status_code=429)
+
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.is_offline:
+            self.check_offline_room(request.num_prompt_tokens + request.max_tokens)
+            self.offline_queued_tokens += request.num_prompt_tokens + request.max_tokens
+            if self.hybrid:
+                request.class_rank = 1
+                request.group_key = self._join_group(request)
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=Request.sort_key)
+
+    def _join_group(self, request: Request) -> float:
+        group = self.offline_groups.setdefault(self._group_of(request), [request.arrival_time, 0])
+        group[1] += 1
+        return group[0]
+
+    def _group_of(self, request: Request) -> bytes:
+        # The first block's tokens (all of a shorter prompt): what a shared system prompt puts in common.
+        return str(request.prompt_token_ids[: self.kv.block_size]).encode()
+
+    def _leave(self, request: Request) -> None:
+        if not request.is_offline:
+            return
+        self.offline_queued_tokens -= request.num_prompt_tokens + request.max_tokens
+        key = self._group_of(request)
+        group = self.offline_groups.get(key)
+        if self.hybrid and group is not None:
+            group[1] -= 1
+            if group[1] <= 0:
+                del self.offline_groups[key]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -95,6 +157,7 @@ class Scheduler:
         return finished
 
     def _free(self, request: Request) -> None:
+        self._leave(request)
         self.kv.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -106,6 +169,7 @@ class Scheduler:
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.preemptions_by_class[request.request_class] += 1
         plan.preempted.add(request.request_id)
         bisect.insort(self.waiting, request, key=Request.sort_key)
 
@@ -113,9 +177,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(self.config.max_num_batched_tokens)
         self._preempt_for_priority(plan)
-        self._schedule_running(plan)
-        if not plan.out_of_blocks:
-            self._schedule_waiting(plan)
+        if self.hybrid and self.offline_queued_tokens:
+            self._schedule_hybrid(plan)
+        else:
+            self._schedule_running(plan)
+            if not plan.out_of_blocks:
+                self._schedule_waiting(plan)
+        self.last_shape = plan.shape
         finished, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=plan.new, scheduled_cached_reqs=plan.cached,
@@ -123,6 +191,21 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_tokens.values()),
             scheduled_spec_token_ids=plan.spec, finished_req_ids=finished,
             preempted_req_ids=plan.preempted)
+
+    def _schedule_hybrid(self, plan: _StepPlan) -> None:
+        """Online first (running, then waiting) in the budget less offline's floor; offline fills the rest."""
+        reserve = min(floor_tokens(self.config), plan.budget)
+        plan.budget -= reserve
+        self._schedule_running(plan, rank=0)
+        if not plan.out_of_blocks:
+            self._schedule_waiting(plan, rank=0)
+        plan.budget += reserve
+        online = [self.requests[rid] for rid in plan.num_tokens]
+        online_waiting = any(r.class_rank == 0 for r in self.waiting)
+        plan.offline = OfflineBudget(self.config, self.predictor, plan.shape, online, online_waiting)
+        self._schedule_running(plan, rank=1)
+        if not plan.out_of_blocks:
+            self._schedule_waiting(plan, rank=1)
 
     def _preempt_for_priority(self, plan: _StepPlan) -> None:
         """A waiting request that outranks the running tail takes its place when room is short."""
@@ -139,12 +222,17 @@ class Scheduler:
         wanted = request.num_tokens_with_spec - request.num_computed_tokens
         return min(wanted, budget, self.max_model_len - request.num_computed_tokens)
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
-        index = 0
+    def _schedule_running(self, plan: _StepPlan, rank: int = 0) -> None:
+        """Running requests of one class rank (all of them outside hybrid scheduling), in order."""
+        index = 0 if rank == 0 else bisect.bisect_left(self.running, rank, key=lambda r: r.class_rank)
         while index < len(self.running) and plan.budget > 0:
             request = self.running[index]
-            num_new = self._num_new_tokens(request, plan.budget)
+            if request.class_rank != rank:
+                return
+            num_new = plan.grant(request, self._num_new_tokens(request, plan.budget))
             if num_new <= 0:
+                if plan.offline is not None and plan.offline.exhausted:
+                    return
                 index += 1
                 continue
             new_blocks = self._allocate_or_preempt(request, num_new, plan)
@@ -169,15 +257,28 @@ class Scheduler:
     def _commit(self, request: Request, num_new: int, plan: _StepPlan) -> None:
         plan.num_tokens[request.request_id] = num_new
         plan.budget -= num_new
+        if plan.offline is None:  # the offline budget adds its own grants to the shape
+            plan.shape.add(num_new, request.num_computed_tokens)
+        if request.is_offline:
+            self.offline_tokens_scheduled += num_new
         num_spec = num_new - (request.num_tokens - request.num_computed_tokens)
         if num_spec > 0:
             plan.spec[request.request_id] = request.spec_token_ids[:num_spec]
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: _StepPlan, rank: int = 0) -> None:
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.class_rank != rank:
+                return
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, plan.budget)
+            if plan.offline is not None:
+                # Granted against the state it resumes from (num_hit computed).
+                computed, request.num_computed_tokens = request.num_computed_tokens, num_hit
+                num_new = plan.grant(request, num_new)
+                request.num_computed_tokens = computed
+                if num_new <= 0:
+                    return
             new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks,
                                                 num_lookahead_tokens=self.num_lookahead_tokens)
             if new_blocks is None:
@@ -271,4 +372,7 @@ class Scheduler:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(),
                               self.kv.stats.queries, self.kv.stats.hits, self.num_preemptions,
                               self.spec_counts[0], self.spec_counts[1], self.spec_counts[2],
-                              list(self.spec_accepted_per_pos) or None)
+                              list(self.spec_accepted_per_pos) or None,
+                              sum(r.is_offline for r in self.running), sum(r.is_offline for r in self.waiting),
+                              self.offline_tokens_scheduled, self.preemptions_by_class["online"],
+                              self.preemptions_by_class["offline"])

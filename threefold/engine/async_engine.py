@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
+from threefold.core.request import check_request_class
 from threefold.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind, merge_deltas
 from threefold.errors import ThreefoldError
 from threefold.sample.params import SamplingParams
@@ -129,6 +130,7 @@ class _Add(NamedTuple):
     arrival_time: float
     stream: RequestStream
     accepted: concurrent.futures.Future
+    request_class: str = "online"
 
 
 class _Abort(NamedTuple):
@@ -198,19 +200,22 @@ class AsyncEngine:
         return self._stats
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0, arrival_time: float | None = None) -> RequestStream:
+                          priority: int = 0, arrival_time: float | None = None,
+                          request_class: str = "online") -> RequestStream:
         """Queue a request; returns its stream once the engine has validated and accepted it.
 
         Raises the engine's ThreefoldError (bad prompt, context too long) or
         EngineDeadError. The caller must `abort()` the stream if it stops reading early.
         """
         self._raise_if_dead()
+        check_request_class(request_class)
         stream = RequestStream(request_id, asyncio.get_running_loop())
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._num_queued_adds += 1
         self._commands.put(_Add(request_id, prompt, params, priority,
-                                arrival_time if arrival_time is not None else time.time(), stream, accepted))
+                                arrival_time if arrival_time is not None else time.time(), stream, accepted,
+                                request_class))
         if self._dead is not None:  # the loop died after the check above: nobody will take the command
             self._fail_queued(EngineDeadError(f"The engine loop died: {self._dead!r}"))
         await asyncio.wrap_future(accepted)
@@ -286,7 +291,8 @@ class AsyncEngine:
             self._num_queued_adds -= 1
         try:
             self.engine.add_request(add.request_id, add.prompt, add.params, priority=add.priority,
-                                    arrival_time=add.arrival_time, output_kind=RequestOutputKind.DELTA)
+                                    arrival_time=add.arrival_time, output_kind=RequestOutputKind.DELTA,
+                                    request_class=add.request_class)
         except Exception as exc:  # noqa: BLE001 — a rejected request, handed back to its caller
             add.accepted.set_exception(exc)
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import psutil
 
@@ -11,12 +12,16 @@ from threefold.core.kv_cache_manager import KVCacheManager
 from threefold.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from threefold.core.request import Request, RequestStatus
 from threefold.core.scheduler import Scheduler, SchedulerStats
+from threefold.core.step_cost import LinearStepModel
 from threefold.errors import ThreefoldError
 from threefold.model.loader import LoadedModel
 from threefold.spec.config import SpeculativeConfig
 from threefold.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+HYBRID_PROFILE_TOKENS = (1, 16, 64, 256, 512)
+"""Token counts whose forward time calibrates the hybrid step-time predictor (then refitted online)."""
 
 _DEFAULT_KV_FRACTION = 0.2
 _DEFAULT_KV_CAP = 4 << 30
@@ -45,6 +50,7 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, cache.block_size, loaded.fingerprint, cache.enable_prefix_caching, spec)
         lookahead = 0 if speculative is None else speculative.num_lookahead_tokens
         self.scheduler = Scheduler(sched, self.kv, max_model_len, num_lookahead_tokens=lookahead)
+        self.loaded = loaded
         self.cache_info = {"kv_cache_dtype": spec, "block_size": cache.block_size, "num_blocks": num_blocks - 1,
                            "bytes_per_token": self.runner.bytes_per_block() / cache.block_size,
                            "capacity_tokens": self.kv.capacity_tokens, "kv_cache_memory": budget}
@@ -54,7 +60,26 @@ class EngineCore:
                     cache.block_size, self.kv.capacity_tokens, budget / 2**20)
 
     def add_request(self, request: Request) -> None:
+        if request.is_offline and self.scheduler.hybrid and self.scheduler.predictor is None:
+            self.scheduler.predictor = self.calibrate_step_model()
         self.scheduler.add_request(request)
+
+    def calibrate_step_model(self) -> LinearStepModel:
+        """The hybrid budget's predictor: forwards of a few token counts on this machine (with the
+        adaptive speculation profile's points when that pass ran), refitted from every step after.
+        Run when the first offline request arrives, so engines without batch work never pay it."""
+        from threefold.spec.decoder import profile_step_cost
+        from threefold.spec.runner import _dense_forward
+        limit = self.scheduler.config.max_num_batched_tokens
+        counts = tuple(n for n in HYBRID_PROFILE_TOKENS if n <= limit)
+        cost = profile_step_cost(lambda n: _dense_forward(self.loaded.model, n), counts, repeats=2)
+        profile = dict(zip(cost.tokens, cost.seconds, strict=True))
+        controller = None if self.runner.spec is None else self.runner.spec.decoder.controller
+        if controller is not None:
+            profile = dict(zip(controller.cost.tokens, controller.cost.seconds, strict=True)) | profile
+        model = LinearStepModel.from_profile(profile)
+        logger.info("hybrid scheduling: step-time model calibrated from %s", sorted(profile.items()))
+        return model
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -71,8 +96,12 @@ class EngineCore:
         if sched.is_empty:
             self.runner.execute(sched)  # still drops finished requests' state
             return []
+        start = time.perf_counter()
         try:
             out = self.runner.execute(sched)
+            predictor = self.scheduler.predictor
+            if isinstance(predictor, LinearStepModel):
+                predictor.observe(self.scheduler.last_shape, time.perf_counter() - start)
         except Exception as exc:  # a broken batch fails its requests, not the engine
             logger.exception("model step failed")
             out = ModelRunnerOutput({}, failed={rid: f"{type(exc).__name__}: {exc}"

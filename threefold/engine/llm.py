@@ -31,12 +31,20 @@ class LLM:
                  enable_prefix_caching: bool = _DEFAULTS.enable_prefix_caching, seed: int = _DEFAULTS.seed,
                  block_size: int = _DEFAULTS.block_size, device: str = _DEFAULTS.device,
                  kv_cache_dtype: str = _DEFAULTS.kv_cache_dtype,
-                 speculative_config: dict | str | None = None) -> None:
+                 speculative_config: dict | str | None = None,
+                 scheduling_policy: str = _DEFAULTS.scheduling_policy,
+                 online_ttft_slo: float | str = _DEFAULTS.online_ttft_slo,
+                 online_itl_slo: float | str = _DEFAULTS.online_itl_slo,
+                 offline_min_share: float = _DEFAULTS.offline_min_share,
+                 max_offline_queued_tokens: int = _DEFAULTS.max_offline_queued_tokens) -> None:
         args = EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                           block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
                           enable_prefix_caching=enable_prefix_caching, seed=seed, device=device,
-                          kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config)
+                          kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config,
+                          scheduling_policy=scheduling_policy, online_ttft_slo=online_ttft_slo,
+                          online_itl_slo=online_itl_slo, offline_min_share=offline_min_share,
+                          max_offline_queued_tokens=max_offline_queued_tokens)
         self.engine = LLMEngine.from_args(args)
         self._ids = itertools.count()
 
@@ -62,8 +70,10 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`; strings or {"prompt_token_ids": [...]}."""
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None,
+                 request_class: str = "online") -> list[RequestOutput]:
+        """Outputs in the order of `prompts`; strings or {"prompt_token_ids": [...]}.
+        request_class="offline" schedules them as batch work (see SchedulerConfig)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = sampling_params or self.get_default_sampling_params()
@@ -76,7 +86,7 @@ class LLM:
                 request_id = str(next(self._ids))
                 # Only the finished outputs are read: no per-step copies of growing completions.
                 self.engine.add_request(request_id, _prompt_input(prompt), p, priority[i] if priority else 0,
-                                        output_kind=RequestOutputKind.FINAL_ONLY)
+                                        output_kind=RequestOutputKind.FINAL_ONLY, request_class=request_class)
                 request_ids.append(request_id)
         except Exception:
             self.engine.abort_request(request_ids)

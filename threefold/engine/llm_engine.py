@@ -14,7 +14,7 @@ import torch
 
 from threefold.config import CacheConfig, ModelConfig, SchedulerConfig
 from threefold.core.outputs import EngineCoreOutput
-from threefold.core.request import Request
+from threefold.core.request import Request, check_request_class
 from threefold.core.scheduler import SchedulerStats
 from threefold.engine.engine_core import EngineCore
 from threefold.engine.output_processor import OutputProcessor, RequestState
@@ -41,6 +41,11 @@ class EngineArgs:
     block_size: int = _CACHE.block_size
     max_num_seqs: int = _SCHED.max_num_seqs
     max_num_batched_tokens: int = _SCHED.max_num_batched_tokens
+    scheduling_policy: str = _SCHED.scheduling_policy
+    online_ttft_slo: float | str = _SCHED.online_ttft_slo
+    online_itl_slo: float | str = _SCHED.online_itl_slo
+    offline_min_share: float = _SCHED.offline_min_share
+    max_offline_queued_tokens: int = _SCHED.max_offline_queued_tokens
     enable_prefix_caching: bool = _CACHE.enable_prefix_caching
     kv_cache_dtype: str = _CACHE.kv_cache_dtype
     seed: int = _MODEL.seed
@@ -55,7 +60,9 @@ class EngineArgs:
     def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         return (ModelConfig(self.model, self.dtype, self.max_model_len, self.seed),
                 CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching, self.kv_cache_dtype),
-                SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens))
+                SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling_policy,
+                                self.online_ttft_slo, self.online_itl_slo,  # type: ignore[arg-type]  # parsed there
+                                self.offline_min_share, self.max_offline_queued_tokens))
 
 
 class LLMEngine:
@@ -118,11 +125,17 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                    request_class: str = "online") -> None:
+        """request_class: "online" (interactive) or "offline" (batch work, scheduled into the room
+        online work leaves; refused with a 429 ThreefoldError past max_offline_queued_tokens)."""
+        check_request_class(request_class)
         if request_id in self.requests:
             raise ThreefoldError(f"request id {request_id!r} is already in use", param="request_id")
         text, token_ids = self.tokenize_prompt(prompt)
         max_tokens = self.resolve_max_tokens(len(token_ids), params)
+        if request_class == "offline":
+            self.core.scheduler.check_offline_room(params.n * (len(token_ids) + max_tokens))
         arrival = arrival_time if arrival_time is not None else time.time()
         child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         state = self.processor.new_state(request_id, text, token_ids, params, child_ids, arrival, output_kind)
@@ -130,7 +143,8 @@ class LLMEngine:
         for index, child_id in enumerate(child_ids):
             child_params = params if params.n == 1 else params.clone(
                 n=1, seed=None if params.seed is None else params.seed + index)
-            self.core.add_request(Request(child_id, token_ids, child_params, eos, max_tokens, priority, arrival))
+            self.core.add_request(Request(child_id, token_ids, child_params, eos, max_tokens, priority, arrival,
+                                          request_class))
             self.child_to_parent[child_id] = (state, index)
         self.requests[request_id] = state
 
