@@ -118,16 +118,15 @@ class BatchRunner:
         return self.store.start_batch(batch.id, lines, errors)
 
     async def run_lines(self, batch_id: str) -> None:
-        pending = collections.deque(self.store.pending_lines(batch_id))
+        pending = collections.deque((line, self._cost(line)) for line in self.store.pending_lines(batch_id))
         tasks: dict[asyncio.Task, tuple[Line, int]] = {}
         try:
             while (pending or tasks) and not self._should_stop_submitting(batch_id):
-                while pending and self._admits(self.estimate_tokens(pending[0].request["url"],
-                                                                    pending[0].request["body"])):
-                    line = pending.popleft()
-                    cost = self.estimate_tokens(line.request["url"], line.request["body"])
-                    task = asyncio.ensure_future(self.execute(line.request["url"], line.request["body"]))
-                    tasks[task] = (line, cost)
+                while pending and self._admits(pending[0][1]):
+                    line, cost = pending.popleft()
+                    assert line.request is not None  # pending lines passed validation
+                    tasks[asyncio.ensure_future(self.execute(line.request["url"], line.request["body"]))] = (
+                        line, cost)
                     self.num_inflight_lines += 1
                     self.num_inflight_tokens += cost
                 done, _ = await asyncio.wait(tasks, timeout=self.config.poll_s,
@@ -137,10 +136,14 @@ class BatchRunner:
                     self.num_inflight_lines -= 1
                     self.num_inflight_tokens -= cost
                     if not self._record(batch_id, line, task):
-                        pending.appendleft(line)
+                        pending.appendleft((line, cost))
                         await asyncio.sleep(self.config.poll_s)  # the engine said "not now": back off
         finally:
             await self._cancel(tasks)
+
+    def _cost(self, line: Line) -> int:
+        assert line.request is not None
+        return self.estimate_tokens(line.request["url"], line.request["body"])
 
     def _admits(self, cost: int) -> bool:
         if self.num_inflight_lines == 0:
@@ -196,7 +199,8 @@ class BatchRunner:
                     line.custom_id, "batch_expired", "This line was not run before the batch expired."))
         if batch.status == "in_progress":
             batch = self.store.set_status(batch_id, "finalizing")
-        output, errors = [], []
+        output: list[str] = []
+        errors: list[str] = []
         for ok, result in self.store.results(batch_id):
             (output if ok else errors).append(json.dumps(result, ensure_ascii=False) + "\n")
         output_id = self._write(output)

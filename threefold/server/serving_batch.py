@@ -107,7 +107,7 @@ async def execute_line(state: ServerState, url: str, body: dict) -> Execution:
         message, param = _validation_message(RequestValidationError(exc.errors()))
         return Execution(400, new_id("batch_req_"), error_body(message, 400, param))
     except ThreefoldError as exc:
-        if exc.status_code == 503:  # engine draining, dead or overloaded: not the line's fault
+        if exc.status_code in (429, 503):  # offline queue full, engine draining or dead: not the line's fault
             raise Retry(exc.message) from exc
         return Execution(exc.status_code, new_id("batch_req_"), error_body(exc.message, exc.status_code, exc.param))
     finally:

@@ -29,8 +29,6 @@ STREAMS_SCOPE_KEY = "threefold.streams"
 REQUEST_CLASS_SCOPE_KEY = "threefold.request_class"
 """The ASGI scope key naming the request class: absent for HTTP calls ("online"); the batch runner sets
 "offline" on the requests it builds for the same handlers."""
-OFFLINE_PRIORITY = 1000
-"""Priority of offline (batch) requests on an engine without request classes: after any online one."""
 
 # Request fields that fall back to the model's generation_config.json when unset.
 _DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -105,15 +103,13 @@ def check_stream_options(req: SamplingRequest) -> None:
 async def submit(state: ServerState, raw_request: Request, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, priority: int) -> RequestStream:
     """Admit one engine request; it is aborted automatically if the HTTP call ends before it does."""
-    offline = raw_request.scope.get(REQUEST_CLASS_SCOPE_KEY) == "offline"
+    request_class = raw_request.scope.get(REQUEST_CLASS_SCOPE_KEY, "online")  # the one place it is chosen
     limit = state.config.max_queued_requests
-    if limit is not None and state.engine.num_waiting >= limit and not offline:  # batch work bounds itself
+    if limit is not None and state.engine.num_waiting >= limit and request_class == "online":
         raise ServerError(f"The server is overloaded: {limit} requests are already waiting. Retry later.",
-                          503, retry_after_s=state.config.retry_after_s)
-    if offline:  # the one place batch work is marked as such for the engine
-        priority = max(priority, OFFLINE_PRIORITY)
+                          503, retry_after_s=state.config.retry_after_s)  # batch work bounds itself
     stream = await state.engine.add_request(request_id, prompt_ids, params, priority=priority,
-                                            arrival_time=time.time())
+                                            arrival_time=time.time(), request_class=request_class)
     raw_request.scope.setdefault(STREAMS_SCOPE_KEY, []).append(stream)
     return stream
 
