@@ -73,6 +73,8 @@ class DrainingServer(uvicorn.Server):
             return
         logger.info("signal %s: draining (up to %.0f s), new requests get 503", sig, self.shutdown_timeout_s)
         self.state.draining = True
+        if self.state.batch is not None:  # batch lines take no new work; what runs is redone after a restart
+            self.state.batch.runner.stopping = True
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.drain()))
 
     async def drain(self) -> None:
