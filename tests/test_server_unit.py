@@ -74,7 +74,7 @@ class FakeEngine:
         self.die = threading.Event()
 
     def add_request(self, request_id, prompt, params: SamplingParams, priority=0, arrival_time=None,
-                    output_kind=RequestOutputKind.DELTA) -> None:
+                    output_kind=RequestOutputKind.DELTA, request_class="online") -> None:
         assert output_kind is RequestOutputKind.DELTA  # what the async engine asks for
         max_tokens = params.max_tokens or self.max_model_len - len(prompt)
         if len(prompt) + max_tokens > self.max_model_len:

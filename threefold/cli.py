@@ -166,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     _train_args(train)
     _add_optional(sub, "threefold.server.cli")
     _add_optional(sub, "threefold.bench.cli")
+    _add_optional(sub, "threefold.server.batch_cli")
     return parser
 
 

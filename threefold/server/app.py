@@ -8,11 +8,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from threefold.batch.runner import RunnerConfig
 from threefold.engine.async_engine import AsyncEngine
+from threefold.server.batch_routes import add_batch_routes
 from threefold.server.config import ServerConfig
 from threefold.server.errors import error_response_bytes, install_handlers
 from threefold.server.metrics import ServerMetrics
 from threefold.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from threefold.server.serving_batch import BatchService
 from threefold.server.serving_chat import create_chat_completion
 from threefold.server.serving_common import STREAMS_SCOPE_KEY, ServerState, now_s
 from threefold.server.serving_completions import create_completion
@@ -83,6 +86,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.server = state
     install_handlers(app)
     _add_routes(app, state)
+    add_batch_routes(app, state)
     app.add_middleware(ServingMiddleware, state=state)
     return app
 
@@ -145,6 +149,14 @@ def make_state(engine: Any, config: ServerConfig) -> ServerState:
 
         metrics.registry.register(KVOffloadCollector(offload.store.stats, config.model_name, offload.block_size))
     async_engine = AsyncEngine(engine, stat_loggers=[metrics]).start()
-    return ServerState(config=config, engine=async_engine, tokenizer=engine.tokenizer, metrics=metrics,
-                       max_model_len=engine.max_model_len, generation_defaults=dict(engine.generation_defaults),
-                       vocab_size=getattr(engine, "vocab_size", None) or engine.tokenizer.vocab_size)
+    state = ServerState(config=config, engine=async_engine, tokenizer=engine.tokenizer, metrics=metrics,
+                        max_model_len=engine.max_model_len, generation_defaults=dict(engine.generation_defaults),
+                        vocab_size=getattr(engine, "vocab_size", None) or engine.tokenizer.vocab_size)
+    if config.batch_dir is not None:  # resumes the batches a previous server left unfinished
+        runner_config = RunnerConfig(max_inflight_tokens=config.batch_max_inflight_tokens)
+        try:
+            state.batch = BatchService(state, config.batch_dir, runner_config=runner_config).start()
+        except Exception:
+            async_engine.shutdown()
+            raise
+    return state

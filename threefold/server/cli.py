@@ -38,6 +38,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="answer 503 + Retry-After once this many requests are waiting (default: no limit)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    parser.add_argument("--batch-dir", default=None,
+                        help="where the Batch API keeps files and state (default: $THREEFOLD_HOME/batches)")
+    parser.add_argument("--batch-max-inflight-tokens", type=int, default=65536,
+                        help="estimated tokens of batch lines in the engine at once (the offline queue limit)")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -69,6 +73,8 @@ class DrainingServer(uvicorn.Server):
             return
         logger.info("signal %s: draining (up to %.0f s), new requests get 503", sig, self.shutdown_timeout_s)
         self.state.draining = True
+        if self.state.batch is not None:  # batch lines take no new work; what runs is redone after a restart
+            self.state.batch.runner.stopping = True
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.drain()))
 
     async def drain(self) -> None:
@@ -96,12 +102,28 @@ def build_server(args: argparse.Namespace) -> DrainingServer:
 
     config = ServerConfig(served_model_names=tuple(args.served_model_name or [args.model]), model_path=args.model,
                           host=args.host, port=args.port, api_key=args.api_key,
-                          max_queued_requests=args.max_queued_requests, shutdown_timeout_s=args.shutdown_timeout)
+                          max_queued_requests=args.max_queued_requests, shutdown_timeout_s=args.shutdown_timeout,
+                          batch_dir=_batch_dir(args), batch_max_inflight_tokens=args.batch_max_inflight_tokens)
     engine = LLMEngine.from_args(engine_args_from(args))
     state = make_state(engine, config)
     uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                timeout_graceful_shutdown=5, lifespan="off")
     return DrainingServer(uv_config, state, args.shutdown_timeout)
+
+
+def _batch_dir(args: argparse.Namespace) -> str | None:
+    """--batch-dir, else the default one, unless another server already holds the default (then no Batch API)."""
+    if args.batch_dir is not None:
+        return args.batch_dir
+    from threefold.env import Env
+    from threefold.server.serving_batch import batch_dir_in_use
+
+    default = Env.read().home / "batches"
+    if batch_dir_in_use(default):
+        logger.warning("%s is in use by another server: this one serves no Batch API (give it --batch-dir)",
+                       default)
+        return None
+    return str(default)
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -117,6 +139,8 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
+        if server.state.batch is not None:
+            server.state.batch.stop()  # lines in flight are aborted and stay pending for the next start
         server.state.engine.shutdown()
     logger.info("server stopped")
     return 0

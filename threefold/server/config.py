@@ -23,6 +23,10 @@ class ServerConfig:
     """On SIGTERM, how long in-flight requests may run before they are aborted."""
     retry_after_s: int = 1
     """The Retry-After a 503 suggests."""
+    batch_dir: str | None = None
+    """Where the Batch API keeps its files and state (SQLite); None: no Batch API."""
+    batch_max_inflight_tokens: int = 65536
+    """Estimated tokens of batch lines the engine holds at once (the offline queue limit)."""
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

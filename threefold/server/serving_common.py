@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 STREAMS_SCOPE_KEY = "threefold.streams"
 """The ASGI scope key under which a request lists its engine streams (aborted when the HTTP call ends)."""
+REQUEST_CLASS_SCOPE_KEY = "threefold.request_class"
+"""The ASGI scope key naming the request class: absent for HTTP calls ("online"); the batch runner sets
+"offline" on the requests it builds for the same handlers."""
 
 # Request fields that fall back to the model's generation_config.json when unset.
 _DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -49,6 +52,8 @@ class ServerState:
     """Set on SIGTERM: new requests get 503 while in-flight ones finish."""
     num_inflight: int = 0
     """HTTP requests being served now (the middleware counts them)."""
+    batch: Any = None
+    """The Batch API service (serving_batch.BatchService) when the server has a batch dir; else None."""
 
 
 def random_id(prefix: str) -> str:
@@ -98,12 +103,13 @@ def check_stream_options(req: SamplingRequest) -> None:
 async def submit(state: ServerState, raw_request: Request, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, priority: int) -> RequestStream:
     """Admit one engine request; it is aborted automatically if the HTTP call ends before it does."""
+    request_class = raw_request.scope.get(REQUEST_CLASS_SCOPE_KEY, "online")  # the one place it is chosen
     limit = state.config.max_queued_requests
-    if limit is not None and state.engine.num_waiting >= limit:
+    if limit is not None and state.engine.num_waiting >= limit and request_class == "online":
         raise ServerError(f"The server is overloaded: {limit} requests are already waiting. Retry later.",
-                          503, retry_after_s=state.config.retry_after_s)
+                          503, retry_after_s=state.config.retry_after_s)  # batch work bounds itself
     stream = await state.engine.add_request(request_id, prompt_ids, params, priority=priority,
-                                            arrival_time=time.time())
+                                            arrival_time=time.time(), request_class=request_class)
     raw_request.scope.setdefault(STREAMS_SCOPE_KEY, []).append(stream)
     return stream
 
