@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -81,14 +82,14 @@ class Simulator:
             self._push(start, ARRIVE, (index, 0))
         self._push(0.0, TICK, None)
         done: list[SimRequest] = []
-        now = 0.0
+        now, total = 0.0, trace.num_requests
         while self._events:
             now, _, kind, payload = heapq.heappop(self._events)
             if kind == ARRIVE:
-                session, turn = payload  # type: ignore[misc]
+                session, turn = cast(tuple[int, int], payload)
                 self._arrive(trace, session, turn, now)
             elif kind == STEP:
-                name, version = payload  # type: ignore[misc]
+                name, version = cast(tuple[str, int], payload)
                 for request in self._step(self.instances[name], version, now):
                     done.append(request)
                     if request.turn + 1 < len(trace.sessions[request.session]):
@@ -97,7 +98,7 @@ class Simulator:
             elif kind == DISPATCH:
                 self._dispatch_at = None
                 self._dispatch(now)
-            elif kind == TICK and (self._outstanding or len(done) < trace.num_requests):
+            elif kind == TICK and (self._outstanding or len(done) < total):
                 self.policy.tick(now)
                 self._dispatch(now)
                 self._push(now + self.tick_s, TICK, None)

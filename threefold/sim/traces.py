@@ -104,8 +104,8 @@ def sessions_trace(num_sessions: int, seed: int = 0, block_size: int = 16, key_t
     sessions: list[list[Turn]] = []
     for pairs in itertools.islice(itertools.cycle(convs), num_sessions):
         lengths, total = [], 0
-        for user, answer in pairs:
-            answer = min(answer, max_output)
+        for user, full_answer in pairs:
+            answer = min(full_answer, max_output)
             if total + user + answer > max_context:
                 break
             lengths.append((total + user, answer))
