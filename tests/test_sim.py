@@ -124,9 +124,9 @@ def test_every_policy_plugs_in_by_name_and_affinity_pays():
 
 
 def test_effective_capacity_bisects_the_90_percent_crossing():
-    class Fake:
+    class Fake:  # reports a total rate (x 8 instances), as simulate does: capacity stays per instance
         def __init__(self, rate):
-            self.rate, self.slo_attainment = rate, 1.0 if rate <= 2.7 else 0.5
+            self.rate, self.slo_attainment = 8 * rate, 1.0 if rate <= 2.7 else 0.5
 
     capacity, runs = effective_capacity(Fake, [1, 2, 4], bisect_steps=4)
     assert 2.5 <= capacity <= 2.7

@@ -49,22 +49,24 @@ def parse_seconds(text: str) -> float:
 
 
 def effective_capacity(run, rates: list[float], bisect_steps: int) -> tuple[float, list[RunResult]]:
-    """Highest per-instance rate with attainment >= goal; `run(rate)` -> RunResult. 0 if none passes."""
-    results = [run(r) for r in sorted(rates)]
-    passing = [r.rate for r in results if r.slo_attainment >= ATTAINMENT_GOAL]
-    failing = [r.rate for r in results if r.slo_attainment < ATTAINMENT_GOAL]
+    """Highest rate (in `rates`' units) with attainment >= goal; `run(rate)` -> RunResult. 0 if none passes."""
+    met: dict[float, bool] = {}
+    results = []
+    for rate in sorted(rates):
+        results.append(run(rate))
+        met[rate] = results[-1].slo_attainment >= ATTAINMENT_GOAL
+    passing = [rate for rate, ok in met.items() if ok]
     if not passing:
         return 0.0, results
     low = max(passing)
-    above = [r for r in failing if r > low]
+    above = [rate for rate, ok in met.items() if not ok and rate > low]
     if not above:
         return low, results
     high = min(above)
     for _ in range(bisect_steps):
         mid = (low + high) / 2
-        result = run(mid)
-        results.append(result)
-        low, high = (mid, high) if result.slo_attainment >= ATTAINMENT_GOAL else (low, mid)
+        results.append(run(mid))
+        low, high = (mid, high) if results[-1].slo_attainment >= ATTAINMENT_GOAL else (low, mid)
     return low, results
 
 
