@@ -128,9 +128,9 @@ def test_effective_capacity_bisects_the_90_percent_crossing():
         def __init__(self, rate):
             self.rate, self.slo_attainment = 8 * rate, 1.0 if rate <= 2.7 else 0.5
 
-    capacity, runs = effective_capacity(Fake, [1, 2, 4], bisect_steps=4)
+    capacity, runs = effective_capacity(Fake, [1, 2, 4, 8], bisect_steps=4)
     assert 2.5 <= capacity <= 2.7
-    assert len(runs) == 7
+    assert len(runs) == 7  # 1, 2, 4 (fails: 8 is not run), then four halvings
     assert effective_capacity(lambda r: Fake(r * 10), [1, 2], 3)[0] == 0.0
     assert parse_seconds("500ms") == 0.5 and parse_seconds("1s") == 1.0
     with pytest.raises(ThreefoldError):

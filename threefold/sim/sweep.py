@@ -3,7 +3,8 @@
 Rates are given per instance (requests/s per replica) so one list serves 8
 and 1000 instances; a run offers rate x instances requests/s. Effective
 request capacity is the highest rate at which >= 90% of requests meet the
-TTFT SLO: the sweep brackets it, then `bisect_steps` halvings refine it.
+TTFT SLO: the sweep climbs the rates until one fails (attainment falls with
+load), then `bisect_steps` halvings refine the bracket.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def effective_capacity(run, rates: list[float], bisect_steps: int) -> tuple[floa
     for rate in sorted(rates):
         results.append(run(rate))
         met[rate] = results[-1].slo_attainment >= ATTAINMENT_GOAL
+        if not met[rate]:
+            break  # attainment falls with rate: higher rates (the slowest runs, deep queues) fail too
     passing = [rate for rate, ok in met.items() if ok]
     if not passing:
         return 0.0, results
