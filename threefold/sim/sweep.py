@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from threefold.errors import ThreefoldError
+from threefold.router.policies import policy_names
 from threefold.sim.engine_model import EngineModel
 from threefold.sim.simulator import RunResult, simulate
 from threefold.sim.traces import TRACES, Trace, make_trace
@@ -78,7 +79,14 @@ def run_simulate(ns: argparse.Namespace) -> dict:
     slo = parse_seconds(ns.ttft_slo)
     policies = [p.strip() for p in ns.policy.split(",") if p.strip()]
     traces = [t.strip() for t in ns.trace.split(",") if t.strip()]
-    rates = [float(r) for r in ns.rates.split(",")]
+    try:
+        rates = [float(r) for r in ns.rates.split(",")]
+    except ValueError as err:
+        raise ThreefoldError(f"--rates must be numbers, got {ns.rates!r}", param="rates") from err
+    unknown = [p for p in policies if p not in policy_names()] + [t for t in traces if t not in TRACES]
+    if unknown or not rates or min(rates) <= 0 or min(ns.instances) < 1:
+        raise ThreefoldError(f"bad simulate arguments: unknown {unknown}, rates {rates}, instances {ns.instances}; "
+                             f"policies: {policy_names()}, traces: {list(TRACES)}", param="simulate")
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"calibration": ns.calibration, "model": model.model, "cpu": model.cpu, "ttft_slo_s": slo,
