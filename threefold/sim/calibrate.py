@@ -78,7 +78,7 @@ def _prefill_points(engine, ids, repeats: int) -> list[StepPoint]:
 
 
 def _decode_points(engine, ids, repeats: int) -> list[StepPoint]:
-    points = []
+    points: list[StepPoint] = []
     for count, context in DECODE_SHAPES:
         pending = {_add(engine, ids, context, repeats + 2) for _ in range(count)}
         while pending:  # prefill (chunked over steps when it exceeds the token budget) to first tokens
