@@ -167,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_optional(sub, "threefold.server.cli")
     _add_optional(sub, "threefold.bench.cli")
     _add_optional(sub, "threefold.server.batch_cli")
+    _add_optional(sub, "threefold.sim.cli")
     return parser
 
 

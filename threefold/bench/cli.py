@@ -47,6 +47,12 @@ def _offline(ns: argparse.Namespace) -> int:
     return offline_main(ns)
 
 
+def _calibrate(ns: argparse.Namespace) -> int:
+    from threefold.sim.calibrate import calibrate_main
+
+    return calibrate_main(ns)
+
+
 def _peers_install(ns: argparse.Namespace) -> int:
     from threefold.bench.peers import PEERS, install
 
@@ -126,6 +132,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     offline.add_argument("--out", default=None)
     offline.set_defaults(func=_offline, model=DEFAULT_MODEL)
     _add_peers(sub)
+    from threefold.sim.calibrate import add_calibrate_args
+
+    calibrate = sub.add_parser("calibrate", help="time the real engine's steps; fit the simulator's engine model")
+    add_calibrate_args(calibrate)
+    calibrate.set_defaults(func=_calibrate)
     return bench
 
 

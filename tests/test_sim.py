@@ -1,0 +1,137 @@
+"""Simulator: an analytic queue (M/D/1), determinism, calibration files, prefix-cache accounting, policies."""
+
+from __future__ import annotations
+
+import pytest
+
+from threefold.errors import ThreefoldError
+from threefold.router.policies import policy_names
+from threefold.sim.engine_model import EngineModel, StepPoint
+from threefold.sim.instance import Instance, SimRequest
+from threefold.sim.simulator import Simulator, simulate
+from threefold.sim.sweep import effective_capacity, parse_seconds
+from threefold.sim.traces import Trace, Turn, sessions_trace
+
+
+def _single_turn_trace(num: int, prompt_len: int) -> Trace:
+    return Trace("single", [[Turn(prompt_len, 1, (), (), k)] for k in range(num)], 0.0)
+
+
+def test_md1_mean_wait_matches_pollaczek_khinchine():
+    # One replica, one request per step (batch budget = one prompt), service exactly S: an M/D/1 queue.
+    service, prompt = 0.1, 64
+    model = EngineModel({prompt: service}, 0.0, max_num_batched_tokens=prompt)
+    rate = 5.0  # rho = 0.5
+    result = simulate(model, _single_turn_trace(20000, prompt), 1, "round_robin", rate, slo_s=10.0, seed=1)
+    rho = rate * service
+    expected_wait = rho * service / (2 * (1 - rho))
+    assert result.num_requests == 20000
+    assert result.ttft_mean - service == pytest.approx(expected_wait, rel=0.05)
+
+
+def _conversations() -> list[list[tuple[int, int]]]:
+    return [[(40 + 7 * i, 30), (25, 20 + i), (50, 10)] for i in range(12)]
+
+
+def _model() -> EngineModel:
+    return EngineModel({1: 0.01, 256: 0.03, 2048: 0.2}, 1e-6, num_blocks=512, max_num_batched_tokens=512)
+
+
+def test_deterministic_for_a_seed():
+    trace = sessions_trace(60, seed=3, conversations=_conversations())
+    runs = [simulate(_model(), trace, 4, "dualmap", 6.0, 0.5, seed) for seed in (7, 7, 8)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_calibration_fit_and_round_trip(tmp_path):
+    per_token, per_context = 1e-4, 2e-7
+    points = [StepPoint(p, 0, 0, 0.01 + per_token * p) for p in (16, 256, 1024)]
+    points += [StepPoint(0, d, d * c, 0.01 + per_token * d + per_context * d * c) for d, c in ((16, 256), (256, 512))]
+    model = EngineModel.fit(points, block_size=16, num_blocks=1234, model="m", cpu="AVX2")
+    assert model.per_context_s == pytest.approx(per_context, rel=0.05)
+    assert model.step_seconds(256, 1000) == pytest.approx(0.01 + per_token * 256 + per_context * 1000, rel=0.02)
+    path = tmp_path / "engine.json"
+    model.save(path)
+    again = EngineModel.load(path)
+    assert again.to_dict() == model.to_dict()
+    assert again.step_seconds(700, 5000) == model.step_seconds(700, 5000)
+    with pytest.raises(ThreefoldError, match="not found"):
+        EngineModel.load(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text('{"per_context_s": 1}')
+    with pytest.raises(ThreefoldError, match="not a threefold engine model"):
+        EngineModel.load(tmp_path / "bad.json")
+
+
+def _serve(instance: Instance, request: SimRequest, now: float) -> float:
+    """Run one request alone on the instance to completion; returns the finish time."""
+    end = instance.enqueue(request, now)
+    while end is not None:
+        instance.complete(end)
+        now, end = end, instance.start(end)
+    return now
+
+
+def test_prefix_cache_lru_and_hit_accounting():
+    model = EngineModel({1: 0.01}, 0.0, block_size=4, num_blocks=4)
+    inst = Instance("i0", model)
+
+    def request(name: str, hashes: tuple[int, ...], prompt_len: int = 12) -> SimRequest:
+        return SimRequest(name, prompt_len, 1, hashes, hashes, 0, 0.0)
+
+    now = 0.0
+    hits = {}
+    for name, hashes in (("a", (1, 2, 3)), ("b", (1, 2, 9)), ("c", (5, 6)), ("d", (1, 2)), ("e", (5, 6, 7))):
+        r = request(name, hashes)
+        now = _serve(inst, r, now)
+        hits[name] = r.hit_tokens
+    # a cold; b shares 2 blocks; c evicts the LRU blocks 3 then 1; d's chain breaks at block 1;
+    # e finds c's two blocks. A full-prompt hit still computes one token (prompt_len - 1 at most).
+    assert hits == {"a": 0, "b": 8, "c": 0, "d": 0, "e": 8}
+    assert len(inst.cache) == 4
+    full = request("f", (5, 6, 7))
+    _serve(inst, full, now)
+    assert full.hit_tokens == 11
+
+
+def test_decode_stretch_cut_matches_step_by_step():
+    # A request decoding alone, cut by an arrival mid-stretch, finishes when its steps say it does.
+    model = EngineModel({1: 0.01, 64: 0.05}, 1e-5, max_num_batched_tokens=64)
+    inst = Instance("i0", model)
+    long = SimRequest("long", 16, 11, (), (), 0, 0.0)
+    end = inst.enqueue(long, 0.0)
+    inst.complete(end)  # its prefill: first token at `end`
+    first = end
+    end = inst.start(end)  # a stretch of 10 decode steps
+    cut = inst.enqueue(SimRequest("new", 16, 1, (), (), 0, first + 0.025), first + 0.025)
+    assert cut < end
+    contexts = [16 + 1 + j for j in range(10)]
+    step_ends = [first]
+    for c in contexts[:3]:
+        step_ends.append(step_ends[-1] + model.step_seconds(1, c))
+    assert cut == pytest.approx(step_ends[3])  # step 3 was in progress at +25 ms
+
+
+def test_every_policy_plugs_in_by_name_and_affinity_pays():
+    trace = sessions_trace(80, seed=0, conversations=_conversations())
+    results = {name: Simulator(_model(), 4, name, 0.5, 0).run(trace, 4.0) for name in policy_names()}
+    assert set(results) >= {"round_robin", "least_loaded", "prefix_hash", "cache_aware", "dualmap"}
+    assert all(r.num_requests == trace.num_requests for r in results.values())
+    assert results["prefix_hash"].hit_rate > results["round_robin"].hit_rate
+    assert results["dualmap"].hit_rate > results["round_robin"].hit_rate
+    with pytest.raises(ThreefoldError, match="unknown routing policy"):
+        Simulator(_model(), 2, "fastest")
+
+
+def test_effective_capacity_bisects_the_90_percent_crossing():
+    class Fake:  # reports a total rate (x 8 instances), as simulate does: capacity stays per instance
+        def __init__(self, rate):
+            self.rate, self.slo_attainment = 8 * rate, 1.0 if rate <= 2.7 else 0.5
+
+    capacity, runs = effective_capacity(Fake, [1, 2, 4, 8], bisect_steps=4)
+    assert 2.5 <= capacity <= 2.7
+    assert len(runs) == 7  # 1, 2, 4 (fails: 8 is not run), then four halvings
+    assert effective_capacity(lambda r: Fake(r * 10), [1, 2], 3)[0] == 0.0
+    assert parse_seconds("500ms") == 0.5 and parse_seconds("1s") == 1.0
+    with pytest.raises(ThreefoldError):
+        parse_seconds("soon")

@@ -1,0 +1,1 @@
+"""Calibrated discrete-event simulator of replicas behind the router (pure Python + numpy)."""
