@@ -10,7 +10,9 @@ from fastapi.responses import JSONResponse, Response
 
 from threefold.engine.async_engine import AsyncEngine
 from threefold.server.config import ServerConfig
+from threefold.server.dashboard import add_dashboard_routes
 from threefold.server.errors import error_response_bytes, install_handlers
+from threefold.server.ledger import LedgerRecorder, build_ledger
 from threefold.server.metrics import ServerMetrics
 from threefold.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from threefold.server.serving_chat import create_chat_completion
@@ -83,6 +85,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.server = state
     install_handlers(app)
     _add_routes(app, state)
+    add_dashboard_routes(app, state)
     app.add_middleware(ServingMiddleware, state=state)
     return app
 
@@ -139,7 +142,9 @@ def make_state(engine: Any, config: ServerConfig) -> ServerState:
     cache_info = getattr(getattr(engine, "core", None), "cache_info", None)
     if cache_info:
         metrics.set_cache_config(cache_info)
-    async_engine = AsyncEngine(engine, stat_loggers=[metrics]).start()
+    ledger = build_ledger(engine, config.cost_per_hour)
+    loggers = [metrics] + ([LedgerRecorder(ledger, metrics.registry, config.model_name)] if ledger else [])
+    async_engine = AsyncEngine(engine, stat_loggers=loggers).start()
     return ServerState(config=config, engine=async_engine, tokenizer=engine.tokenizer, metrics=metrics,
                        max_model_len=engine.max_model_len, generation_defaults=dict(engine.generation_defaults),
-                       vocab_size=getattr(engine, "vocab_size", None) or engine.tokenizer.vocab_size)
+                       vocab_size=getattr(engine, "vocab_size", None) or engine.tokenizer.vocab_size, ledger=ledger)

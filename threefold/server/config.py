@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from threefold.errors import ThreefoldError
+from threefold.ledger.ledger import check_cost_per_hour
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,10 @@ class ServerConfig:
     """On SIGTERM, how long in-flight requests may run before they are aborted."""
     retry_after_s: int = 1
     """The Retry-After a 503 suggests."""
+    cost_per_hour: float | None = None
+    """The price of this server per hour: the savings ledger shows cost per million tokens with it."""
+    usage_ledger: bool = False
+    """Add the request's savings ledger to every response's `usage` (as `usage.threefold_ledger`)."""
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -33,6 +38,8 @@ class ServerConfig:
         if self.shutdown_timeout_s < 0:
             raise ThreefoldError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout_s}.",
                                  param="shutdown_timeout")
+
+        check_cost_per_hour(self.cost_per_hour)
 
     @property
     def model_name(self) -> str:

@@ -49,6 +49,8 @@ class ServerState:
     """Set on SIGTERM: new requests get 503 while in-flight ones finish."""
     num_inflight: int = 0
     """HTTP requests being served now (the middleware counts them)."""
+    ledger: Any = None
+    """The savings ledger (threefold.ledger.Ledger); None for an engine it cannot price."""
 
 
 def random_id(prefix: str) -> str:
@@ -198,8 +200,20 @@ async def guarded_sse(chunks: AsyncIterator[str], what: str, request_id: str) ->
     yield SSE_DONE
 
 
-def usage(prompt_lens: Sequence[int], num_completion_tokens: int, num_cached_tokens: int) -> dict:
+def usage(prompt_lens: Sequence[int], num_completion_tokens: int, num_cached_tokens: int,
+          ledger: dict | None = None) -> dict:
     prompt_tokens = sum(prompt_lens)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": num_completion_tokens,
+    data = {"prompt_tokens": prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": prompt_tokens + num_completion_tokens,
             "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+    if ledger is not None:
+        data["threefold_ledger"] = ledger  # opt-in (--usage-ledger); OpenAI clients keep unknown usage fields
+    return data
+
+
+def ledger_usage(state: ServerState, finals: Sequence[RequestOutput], num_tokens: Sequence[int]) -> dict | None:
+    """The opt-in usage extension of these finished engine requests, or None when it is off."""
+    if not state.config.usage_ledger or state.ledger is None:
+        return None
+    from threefold.server.ledger import usage_extension
+    return usage_extension(state.ledger, finals, num_tokens)
