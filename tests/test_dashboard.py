@@ -99,3 +99,14 @@ def test_dashboard_data_is_json_of_metrics(server):
     assert json.dumps(data)  # plain JSON, no NaN
     assert data["kv_codec"] == "auto" and set(data["ledger"]["saved_s"]) == {"prefix_cache"}
     assert httpx.get(f"{server.url}/dashboard/static/../app.py").status_code == 404
+
+
+def test_grafana_dashboard_reads_only_served_metrics(server):
+    exposed = set()
+    for name, kind in re.findall(r"^# TYPE (\S+) (\w+)", httpx.get(f"{server.url}/metrics").text, re.M):
+        exposed |= {name + "_total"} if kind == "counter" else {name, name + "_bucket"}
+    dashboard = json.loads((Path(__file__).parents[1] / "docs/grafana/threefold.json").read_text())
+    used = {m for p in dashboard["panels"] for t in p["targets"]
+            for m in re.findall(r"(?:vllm|threefold):[a-z_]+", t["expr"])}
+    assert "threefold:ledger_saved_seconds_total" in used
+    assert used <= exposed, f"not served: {sorted(used - exposed)}"

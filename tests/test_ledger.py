@@ -142,8 +142,9 @@ def test_usage_extension_is_opt_in_and_parses(server):
 
 
 def test_repeat_speculation_bytes_and_totals(server):
-    from server_helpers import metrics, wait_for
     from threefold.kv.capacity import capacity_rows
+
+    from server_helpers import metrics, wait_for
 
     model = server.state.config.model_name
     set_usage_ledger(server, True)

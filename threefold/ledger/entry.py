@@ -70,15 +70,15 @@ class LedgerEntry:
     finished_time: float = 0.0
 
     def to_dict(self) -> dict:
-        data = {"prompt_tokens": {"total": self.prompt_tokens, "computed": self.prompt_tokens_computed,
-                                  "prefix_cache": self.prompt_tokens_prefix_cache},
+        prompt: dict = {"total": self.prompt_tokens, "computed": self.prompt_tokens_computed,
+                        "prefix_cache": self.prompt_tokens_prefix_cache}
+        if self.prompt_tokens_by_tier is not None:
+            prompt["tiers"] = dict(self.prompt_tokens_by_tier)
+        return {"prompt_tokens": prompt,
                 "output_tokens": {"total": self.output_tokens, "from_accepted_drafts": self.output_tokens_from_drafts,
                                   "drafts_rejected": self.draft_tokens_rejected},
                 "kv": {"bytes": self.kv_bytes, "bytes_at_model_dtype": self.kv_bytes_at_dtype},
                 "time": {"compute_s": self.compute_s, "saved_s": dict(self.saved_s)}}
-        if self.prompt_tokens_by_tier is not None:
-            data["prompt_tokens"]["tiers"] = dict(self.prompt_tokens_by_tier)
-        return data
 
 
 def make_entry(basis: CostBasis, prompt_tokens: int, output_tokens: int, cached_tokens: int,

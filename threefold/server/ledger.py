@@ -29,7 +29,7 @@ def build_ledger(engine: Any, cost_per_hour: float | None) -> Ledger | None:
     """The ledger of a loaded LLMEngine (None for an engine without a model runner to price with)."""
     core = getattr(engine, "core", None)
     runner = getattr(core, "runner", None)
-    if runner is None:
+    if core is None or runner is None:
         return None
     config, block_size = runner.config, runner.block_size
     dtype_codec = make_codec("auto", config.num_kv_heads, config.head_dim, config.dtype)
