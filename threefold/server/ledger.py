@@ -1,9 +1,7 @@
 """The server's savings ledger: built at startup, fed from the engine thread, read by /v1/ledger,
 the opt-in `usage.threefold_ledger` extension, /metrics (`threefold:ledger_*`) and the dashboard.
 
-The ledger's cost model is the speculative decoder's own StepCostModel when
-adaptive speculation runs (refined online there), else one profiled here at
-startup with the same routine (threefold.spec.decoder.profile_step_cost).
+The pricing basis (cost model, bytes per token) comes from threefold.engine.ledger_basis.
 """
 
 from __future__ import annotations
@@ -11,15 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from prometheus_client import CollectorRegistry, Counter
 
 from threefold.engine.async_engine import StatLogger
+from threefold.engine.ledger_basis import cost_basis
 from threefold.engine.outputs import RequestOutput
-from threefold.kv.paged import PagedKVCache
-from threefold.kv.registry import make_codec
-from threefold.ledger import CostBasis, Ledger, LedgerEntry, make_entry
-from threefold.ledger.entry import TECHNIQUE_CODEC, TECHNIQUE_PREFIX, TECHNIQUE_SPEC
+from threefold.ledger import Ledger, LedgerEntry, make_entry
 
 TIERS_ATTRIBUTE = "num_cached_tokens_by_tier"
 """RequestOutput's tier -> prompt tokens loaded from it, once the engine has KV tiers (absent until then)."""
@@ -27,39 +22,8 @@ TIERS_ATTRIBUTE = "num_cached_tokens_by_tier"
 
 def build_ledger(engine: Any, cost_per_hour: float | None) -> Ledger | None:
     """The ledger of a loaded LLMEngine (None for an engine without a model runner to price with)."""
-    core = getattr(engine, "core", None)
-    runner = getattr(core, "runner", None)
-    if core is None or runner is None:
-        return None
-    config, block_size = runner.config, runner.block_size
-    dtype_codec = make_codec("auto", config.num_kv_heads, config.head_dim, config.dtype)
-    dtype_bytes = PagedKVCache.bytes_per_block(dtype_codec, config.num_layers, block_size) / block_size
-    controller = runner.spec.decoder.controller if runner.spec is not None else None
-    cost = controller.cost if controller is not None else _profile(runner.model)
-    techniques = []
-    if core.kv.enable_caching:
-        techniques.append(TECHNIQUE_PREFIX)
-    if runner.spec is not None:
-        techniques.append(TECHNIQUE_SPEC)
-    if str(runner.codec.spec) != "auto":
-        techniques.append(TECHNIQUE_CODEC)
-    basis = CostBasis(cost, runner.bytes_per_block() / block_size, dtype_bytes, str(runner.codec.spec),
-                      tuple(techniques), _draft_seconds(controller))
-    return Ledger(basis, cost_per_hour)
-
-
-def _profile(model: Any) -> Any:
-    from threefold.spec.decoder import profile_step_cost
-    from threefold.spec.runner import _dense_forward
-
-    with torch.inference_mode():
-        return profile_step_cost(lambda n: _dense_forward(model, n))
-
-
-def _draft_seconds(controller: Any) -> Any:
-    if controller is None:
-        return lambda: 0.0
-    return lambda: controller.draft_seconds_per_token
+    basis = cost_basis(engine)
+    return None if basis is None else Ledger(basis, cost_per_hour)
 
 
 def entry_of(ledger: Ledger, output: RequestOutput, num_output_tokens: int, now: float = 0.0) -> LedgerEntry:
