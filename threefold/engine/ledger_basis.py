@@ -7,6 +7,7 @@ same routine (threefold.spec.decoder.profile_step_cost), so both are measured al
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -39,12 +40,18 @@ def cost_basis(engine: Any) -> CostBasis | None:
                      tuple(techniques), _draft_seconds(controller))
 
 
+_PROFILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Loaded model -> its profiled cost model: engines sharing one model (tests, replicas) profile it once."""
+
+
 def _profile(model: Any) -> Any:
     from threefold.spec.decoder import profile_step_cost
     from threefold.spec.runner import _dense_forward
 
-    with torch.inference_mode():
-        return profile_step_cost(lambda n: _dense_forward(model, n))
+    if model not in _PROFILES:
+        with torch.inference_mode():
+            _PROFILES[model] = profile_step_cost(lambda n: _dense_forward(model, n))
+    return _PROFILES[model]
 
 
 def _draft_seconds(controller: Any) -> Any:
