@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup test lint demo serve bench-offline bench-decode heads clean redis redis-server
+.PHONY: setup test lint demo serve bench-offline bench-decode heads clean redis redis-server chromium dashboard-vendor
 
 setup: $(STAMP)
 
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 
 # Idle OpenMP threads sleep: tests run a server and its clients on the same 2 cores.
 # The native kernels are built (or found cached) first, for every target this CPU runs.
-test: setup redis
+test: setup redis chromium
 	$(BIN)/python -m threefold.kernels
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q tests
 
@@ -29,6 +29,24 @@ test: setup redis
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 redis:
 	command -v redis-server >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }
+
+# Headless Chromium (Debian's package) for the dashboard's real-browser test.
+chromium:
+	command -v chromium >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
+
+# Re-fetch the dashboard's vendored charting library from npm and check it against the recorded checksums.
+UPLOT_VERSION := 1.6.32
+UPLOT_JS_SHA256 := 19c8d4c6ad88929a79f4ae49d6f7161566dfd0ba3d15cc495e974f787eb78f1f
+UPLOT_CSS_SHA256 := df630c6a8d6f8eeaff264b50f73ce5b114f646ffd9a0bb74f049b0a00135fa04
+STATIC := threefold/server/static
+dashboard-vendor:
+	rm -rf .vendor-uplot && mkdir .vendor-uplot
+	cd .vendor-uplot && npm pack -q uplot@$(UPLOT_VERSION) && tar xzf uplot-$(UPLOT_VERSION).tgz
+	cp .vendor-uplot/package/dist/uPlot.iife.min.js .vendor-uplot/package/dist/uPlot.min.css $(STATIC)/
+	cp .vendor-uplot/package/LICENSE $(STATIC)/uPlot.LICENSE
+	rm -rf .vendor-uplot
+	cd $(STATIC) && printf '%s  %s\n' $(UPLOT_JS_SHA256) uPlot.iife.min.js $(UPLOT_CSS_SHA256) uPlot.min.css \
+		| sha256sum -c -
 
 # A Redis for `--kv-offload-redis redis://127.0.0.1:$(REDIS_PORT)`, on loopback, in the foreground, no
 # persistence, evicting the least recently used blocks beyond REDIS_MAXMEMORY.

@@ -12,7 +12,9 @@ from threefold.batch.runner import RunnerConfig
 from threefold.engine.async_engine import AsyncEngine
 from threefold.server.batch_routes import add_batch_routes
 from threefold.server.config import ServerConfig
+from threefold.server.dashboard import add_dashboard_routes
 from threefold.server.errors import error_response_bytes, install_handlers
+from threefold.server.ledger import LedgerRecorder, build_ledger
 from threefold.server.metrics import ServerMetrics
 from threefold.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from threefold.server.serving_batch import BatchService
@@ -87,6 +89,7 @@ def build_app(state: ServerState) -> FastAPI:
     install_handlers(app)
     _add_routes(app, state)
     add_batch_routes(app, state)
+    add_dashboard_routes(app, state)
     app.add_middleware(ServingMiddleware, state=state)
     return app
 
@@ -148,10 +151,12 @@ def make_state(engine: Any, config: ServerConfig) -> ServerState:
         from threefold.kvstore.metrics import KVOffloadCollector
 
         metrics.registry.register(KVOffloadCollector(offload.store.stats, config.model_name, offload.block_size))
-    async_engine = AsyncEngine(engine, stat_loggers=[metrics]).start()
+    ledger = build_ledger(engine, config.cost_per_hour)
+    loggers = [metrics] + ([LedgerRecorder(ledger, metrics.registry, config.model_name)] if ledger else [])
+    async_engine = AsyncEngine(engine, stat_loggers=loggers).start()
     state = ServerState(config=config, engine=async_engine, tokenizer=engine.tokenizer, metrics=metrics,
                         max_model_len=engine.max_model_len, generation_defaults=dict(engine.generation_defaults),
-                        vocab_size=getattr(engine, "vocab_size", None) or engine.tokenizer.vocab_size)
+                        vocab_size=getattr(engine, "vocab_size", None) or engine.tokenizer.vocab_size, ledger=ledger)
     if config.batch_dir is not None:  # resumes the batches a previous server left unfinished
         runner_config = RunnerConfig(max_inflight_tokens=config.batch_max_inflight_tokens)
         try:

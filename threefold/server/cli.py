@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 import sys
 import time
@@ -42,8 +43,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="where the Batch API keeps files and state (default: $THREEFOLD_HOME/batches)")
     parser.add_argument("--batch-max-inflight-tokens", type=int, default=65536,
                         help="estimated tokens of batch lines in the engine at once (the offline queue limit)")
+    parser.add_argument("--cost-per-hour", type=_price, default=None, metavar="PRICE",
+                        help="what this server costs per hour (e.g. 0.50): /v1/ledger shows cost per million "
+                             "tokens with and without each technique")
+    parser.add_argument("--usage-ledger", action="store_true",
+                        help="add each request's savings ledger to its response `usage` (usage.threefold_ledger)")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def _price(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a price per hour such as 0.50, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"a price per hour must be a finite number >= 0, got {text!r}")
+    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -103,7 +119,8 @@ def build_server(args: argparse.Namespace) -> DrainingServer:
     config = ServerConfig(served_model_names=tuple(args.served_model_name or [args.model]), model_path=args.model,
                           host=args.host, port=args.port, api_key=args.api_key,
                           max_queued_requests=args.max_queued_requests, shutdown_timeout_s=args.shutdown_timeout,
-                          batch_dir=_batch_dir(args), batch_max_inflight_tokens=args.batch_max_inflight_tokens)
+                          batch_dir=_batch_dir(args), batch_max_inflight_tokens=args.batch_max_inflight_tokens,
+                          cost_per_hour=args.cost_per_hour, usage_ledger=args.usage_ledger)
     engine = LLMEngine.from_args(engine_args_from(args))
     state = make_state(engine, config)
     uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.uvicorn_log_level,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from threefold.errors import ThreefoldError
+from threefold.ledger.ledger import check_cost_per_hour
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,10 @@ class ServerConfig:
     """Where the Batch API keeps its files and state (SQLite); None: no Batch API."""
     batch_max_inflight_tokens: int = 65536
     """Estimated tokens of batch lines the engine holds at once (the offline queue limit)."""
+    cost_per_hour: float | None = None
+    """The price of this server per hour: the savings ledger shows cost per million tokens with it."""
+    usage_ledger: bool = False
+    """Add the request's savings ledger to every response's `usage` (as `usage.threefold_ledger`)."""
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -37,6 +42,8 @@ class ServerConfig:
         if self.shutdown_timeout_s < 0:
             raise ThreefoldError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout_s}.",
                                  param="shutdown_timeout")
+
+        check_cost_per_hour(self.cost_per_hour)
 
     @property
     def model_name(self) -> str:

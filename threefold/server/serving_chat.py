@@ -24,6 +24,7 @@ from threefold.server.serving_common import (
     check_stream_options,
     final_output,
     guarded_sse,
+    ledger_usage,
     now_s,
     raise_if_failed,
     random_id,
@@ -105,7 +106,8 @@ def _response(state: ServerState, plan: _Plan, final: RequestOutput) -> dict:
     num_generated = sum(len(c.token_ids) for c in final.outputs)
     return {"id": plan.request_id, "object": "chat.completion", "created": now_s(),
             "model": state.config.model_name, "choices": choices,
-            "usage": usage([len(plan.prompt_ids)], num_generated, final.num_cached_tokens, [final])}
+            "usage": usage([len(plan.prompt_ids)], num_generated, final.num_cached_tokens, [final],
+                           ledger_usage(state, [final], [num_generated]))}
 
 
 def _chunk(state: ServerState, plan: _Plan, choices: list[dict], include_usage: bool) -> dict:
@@ -156,5 +158,6 @@ async def _stream(state: ServerState, plan: _Plan, stream: RequestStream, n: int
     if include_usage and final is not None:
         chunk = _chunk(state, plan, [], False)
         num_generated = sum(c.num_tokens for c in cursors)
-        chunk["usage"] = usage([len(plan.prompt_ids)], num_generated, final.num_cached_tokens, [final])
+        chunk["usage"] = usage([len(plan.prompt_ids)], num_generated, final.num_cached_tokens, [final],
+                               ledger_usage(state, [final], [num_generated]))
         yield sse(chunk)

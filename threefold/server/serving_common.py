@@ -54,6 +54,8 @@ class ServerState:
     """HTTP requests being served now (the middleware counts them)."""
     batch: Any = None
     """The Batch API service (serving_batch.BatchService) when the server has a batch dir; else None."""
+    ledger: Any = None
+    """The savings ledger (threefold.ledger.Ledger); None for an engine it cannot price."""
 
 
 def random_id(prefix: str) -> str:
@@ -205,7 +207,7 @@ async def guarded_sse(chunks: AsyncIterator[str], what: str, request_id: str) ->
 
 
 def usage(prompt_lens: Sequence[int], num_completion_tokens: int, num_cached_tokens: int,
-          outputs: Sequence[Any] = ()) -> dict:
+          outputs: Sequence[Any] = (), ledger: dict | None = None) -> dict:
     """OpenAI's usage block; with KV offload tiers, cached_tokens is also split by tier
     ("pool" = the engine's prefix cache, "cpu", "disk", "redis") from the final `outputs`."""
     prompt_tokens = sum(prompt_lens)
@@ -216,5 +218,16 @@ def usage(prompt_lens: Sequence[int], num_completion_tokens: int, num_cached_tok
             by_tier[tier] = by_tier.get(tier, 0) + count
     if any(tier != "pool" for tier in by_tier):
         details["cached_tokens_by_tier"] = by_tier
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": num_completion_tokens,
+    data = {"prompt_tokens": prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": prompt_tokens + num_completion_tokens, "prompt_tokens_details": details}
+    if ledger is not None:
+        data["threefold_ledger"] = ledger  # opt-in (--usage-ledger); OpenAI clients keep unknown usage fields
+    return data
+
+
+def ledger_usage(state: ServerState, finals: Sequence[RequestOutput], num_tokens: Sequence[int]) -> dict | None:
+    """The opt-in usage extension of these finished engine requests, or None when it is off."""
+    if not state.config.usage_ledger or state.ledger is None:
+        return None
+    from threefold.server.ledger import usage_extension
+    return usage_extension(state.ledger, finals, num_tokens)

@@ -27,6 +27,7 @@ from threefold.server.serving_common import (
     check_token_ids,
     final_output,
     guarded_sse,
+    ledger_usage,
     merge_streams,
     now_s,
     raise_if_failed,
@@ -127,9 +128,10 @@ def _response(state: ServerState, plan: _Plan, finals: list[RequestOutput]) -> d
                             "finish_reason": "length" if plan.drop_generated else completion.finish_reason,
                             "stop_reason": None if plan.drop_generated else completion.stop_reason})
     cached = sum(o.num_cached_tokens for o in finals)
+    ledger = ledger_usage(state, finals, [sum(len(c.token_ids) for c in o.outputs) for o in finals])
     return {"id": plan.request_id, "object": "text_completion", "created": now_s(),
             "model": state.config.model_name, "choices": choices,
-            "usage": usage([len(p.token_ids) for p in plan.prompts], num_generated, cached, finals)}
+            "usage": usage([len(p.token_ids) for p in plan.prompts], num_generated, cached, finals, ledger)}
 
 
 @dataclass
@@ -196,6 +198,9 @@ async def _stream(state: ServerState, plan: _Plan, streams: list[RequestStream],
         num_generated = sum(c.num_tokens for c in cursors.values())
         cached = sum(o.num_cached_tokens for o in finals.values())
         chunk = _chunk(state, plan, [], False)
+        indexes = sorted(finals)
+        per_prompt = [sum(c.num_tokens for (i, _), c in cursors.items() if i == index) for index in indexes]
+        ledger = ledger_usage(state, [finals[i] for i in indexes], per_prompt)
         chunk["usage"] = usage([len(p.token_ids) for p in plan.prompts], num_generated, cached,
-                               list(finals.values()))
+                               [finals[i] for i in indexes], ledger)
         yield sse(chunk)

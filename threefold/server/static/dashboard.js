@@ -1,0 +1,72 @@
+// The live dashboard: polls /dashboard/data every second, writes the latest numbers into elements with ids
+// (what the browser test reads) and plots the last few minutes with uPlot. Loads nothing from elsewhere.
+"use strict";
+const HISTORY = 300;
+const charts = [
+  {title: "throughput (output tokens/s)", series: ["tok/s"], pick: (d, rate) => [rate]},
+  {title: "requests", series: ["running", "waiting"], pick: d => [d.running, d.waiting]},
+  {title: "KV use (fraction of the pool)", series: ["kv"], pick: d => [d.kv_usage]},
+  {title: "prefix hit rate / draft acceptance", series: ["prefix hits", "draft acceptance"],
+   pick: d => [d.prefix_hit_rate, d.draft_acceptance]},
+];
+const colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"];
+let savingsChart = null, last = null, polls = 0;
+
+function makeChart(title, names) {
+  const box = document.createElement("div");
+  box.className = "chart";
+  document.getElementById("charts").appendChild(box);
+  const series = [{}].concat(names.map((n, i) => ({label: n, stroke: colors[i % colors.length], width: 2})));
+  const data = [[]].concat(names.map(() => []));
+  return {plot: new uPlot({title, width: 420, height: 200, series}, data, box), data};
+}
+
+function push(chart, t, values) {
+  chart.data[0].push(t);
+  values.forEach((v, i) => chart.data[i + 1].push(v === null || v === undefined ? null : v));
+  if (chart.data[0].length > HISTORY) chart.data.forEach(column => column.shift());
+  chart.plot.setData(chart.data);
+}
+
+function show(id, value, digits) {
+  const text = value === null || value === undefined ? "-" : (digits === undefined ? String(value) : value.toFixed(digits));
+  document.getElementById(id).textContent = text;
+}
+
+function update(d) {
+  const rate = last ? (d.generation_tokens - last.generation_tokens) / Math.max(d.time - last.time, 1e-3) : 0;
+  last = d;
+  polls += 1;
+  show("model", d.model); show("kv-codec", d.kv_codec); show("polls", polls);
+  show("generation-tokens", d.generation_tokens); show("prompt-tokens", d.prompt_tokens);
+  show("throughput", rate, 1); show("running", d.running); show("waiting", d.waiting);
+  show("kv-usage", d.kv_usage, 4); show("prefix-hit-rate", d.prefix_hit_rate, 4);
+  show("draft-acceptance", d.draft_acceptance, 4);
+  charts.forEach(c => push(c.chart, d.time, c.pick(d, rate)));
+  if (!d.ledger) return;
+  show("ledger-requests", d.ledger.requests); show("ledger-compute", d.ledger.compute_s, 3);
+  const names = Object.keys(d.ledger.saved_s);
+  const savings = document.getElementById("savings");
+  savings.textContent = names.length ? "saved compute, s: " : "no technique that saves compute runs here";
+  names.forEach(n => {
+    const el = document.createElement("span");
+    el.id = "saved-" + n.replace(/[^a-z0-9_-]/gi, "_");
+    el.textContent = n + " " + d.ledger.saved_s[n].toFixed(3) + "  ";
+    savings.appendChild(el);
+  });
+  if (names.length && !savingsChart) savingsChart = makeChart("ledger: compute saved (s), by technique", names);
+  if (savingsChart) push(savingsChart, d.time, names.map(n => d.ledger.saved_s[n]));
+}
+
+async function poll() {
+  try {
+    const response = await fetch("/dashboard/data", {cache: "no-store"});
+    if (response.ok) update(await response.json());
+  } catch (err) {
+    document.getElementById("polls").textContent = "error: " + err;
+  }
+}
+
+charts.forEach(c => { c.chart = makeChart(c.title, c.series); });
+poll();
+setInterval(poll, 1000);
