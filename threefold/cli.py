@@ -147,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     _train_args(train)
     _add_optional(sub, "threefold.server.cli")
     _add_optional(sub, "threefold.bench.cli")
+    _add_optional(sub, "threefold.router.cli")
     return parser
 
 
