@@ -203,7 +203,7 @@ class Router:
             return []  # malformed: any backend answers with the server's own 4xx
         try:
             return self.keyer.token_ids(path, body)
-        except Exception:  # the backend validates the request and answers with its 4xx
+        except (ThreefoldError, TypeError, ValueError, AttributeError):  # the backend answers with its own 4xx
             return []
 
     def _failed(self, request: RouteRequest, backend: str, reason: str, cooling_s: float = 0.0) -> str:
