@@ -131,6 +131,9 @@ def stream_text(client: openai.OpenAI, prompt: str, started: threading.Event) ->
     return text, None
 
 
+# The victim's engine thread may still publish into the event loop its server just closed: the
+# crash of a killed process, reported by pytest as an unhandled thread exception, not a router failure.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dying_backend_ends_its_streams_and_loses_no_unstarted_request(backends, keyer, smollm2_fp32):
     victim = ServerThread(new_engine(smollm2_fp32)).__enter__()
     survivor = backends[0]

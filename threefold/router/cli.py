@@ -44,6 +44,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     router.set_defaults(func=cmd_router)
     cluster = subparsers.add_parser("cluster", help="N local engines on free ports behind a router")
     cluster.add_argument("--replicas", type=int, default=2)
+    cluster.add_argument("--ray", action="store_true", help="one Ray actor per replica (threefold[cluster])")
+    cluster.add_argument("--address", default=None, help="Ray cluster address (e.g. auto after `ray start --head`)")
+    cluster.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs reserved per replica")
     cluster.add_argument("--serve-arg", action="append", default=[],
                          help="extra argument for each `threefold serve` (repeat), e.g. --serve-arg=--max-num-seqs=8")
     _common_args(cluster)
@@ -97,6 +100,8 @@ def cmd_cluster(ns: argparse.Namespace) -> int:
     if ns.replicas < 1:
         raise ThreefoldError(f"--replicas {ns.replicas} must be >= 1", param="replicas")
     router_config(ns)
+    if ns.ray:
+        return _cluster_on_ray(ns)
     # SIGTERM (kill, timeout, systemd) must stop the engines too: turn it into an exit that runs `finally`.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     engines: list[subprocess.Popen] = []
@@ -122,3 +127,17 @@ def cmd_cluster(ns: argparse.Namespace) -> int:
                 process.wait(15)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def _cluster_on_ray(ns: argparse.Namespace) -> int:
+    from threefold.router.ray_cluster import start_replicas, stop_replicas
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    urls, handles = start_replicas(ns.replicas, ns.model, ns.serve_arg, ns.address, ns.replica_cpus)
+    try:
+        for url in urls:
+            print(f"engine ready at {url} (Ray actor)", flush=True)
+        ns.backend = urls
+        return cmd_router(ns)
+    finally:
+        stop_replicas(handles)
