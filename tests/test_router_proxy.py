@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -155,3 +156,18 @@ def test_a_dying_backend_ends_its_streams_and_loses_no_unstarted_request(backend
         state = front.state()
         assert not state[victim.url]["healthy"] and state[survivor.url]["healthy"]
         assert state[survivor.url]["routed"] >= 6  # its 2 streams and the 4 late requests
+
+
+@pytest.mark.skipif(not os.environ.get("THREEFOLD_TEST_RAY"),
+                    reason="Ray replicas take ~1-2 min to start here (over the suite budget): THREEFOLD_TEST_RAY=1")
+def test_replicas_as_ray_actors(keyer):
+    pytest.importorskip("ray")
+    from threefold.router.ray_cluster import start_replicas, stop_replicas
+
+    urls, handles = start_replicas(2, MODEL, ["--kv-cache-memory=24MiB", "--max-model-len=512"], None, 0.5)
+    try:
+        with RouterThread(urls, "prefix_hash", keyer) as front:
+            reply = front.client().completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+            assert reply.usage.completion_tokens == 2 and len(front.state()) == 2
+    finally:
+        stop_replicas(handles)
