@@ -168,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_optional(sub, "threefold.bench.cli")
     _add_optional(sub, "threefold.server.batch_cli")
     _add_optional(sub, "threefold.sim.cli")
+    _add_optional(sub, "threefold.router.cli")
     return parser
 
 

@@ -11,8 +11,9 @@ from threefold.errors import ThreefoldError
 class RouterConfig:
     block_size: int = 16
     """Tokens per KV block; must match the engines' block size so keys align with their prefix cache."""
-    key_tokens: int = 64
-    """prefix_hash/DualMap key: the first this many tokens (block-aligned) of the prompt."""
+    key_tokens: int = 32
+    """prefix_hash/DualMap key: the first this many tokens (block-aligned) of the prompt. Short, so a
+    session keeps its key as its prompt grows (a prompt shorter than this is keyed by all its blocks)."""
     vnodes: int = 100
     """Virtual nodes per backend on each hash ring."""
     bounded_load_eps: float = 0.25

@@ -102,6 +102,7 @@ class Policy:
         self.config = config or RouterConfig()
         self.backends: dict[str, BackendState] = {}
         self._where: dict[str, str] = {}  # request_id -> backend, while in flight
+        self._hit_at_dispatch: dict[str, int] = {}  # request_id -> cached tokens expected when it was bound
         self._ready: list[Assignment] = []
         for name in backends:
             self.add_backend(name, 0.0)
@@ -140,6 +141,7 @@ class Policy:
     def on_finished(self, request_id: str, now: float) -> None:
         state = self._state_of(request_id)
         self._where.pop(request_id, None)
+        self._hit_at_dispatch.pop(request_id, None)
         if state is not None:
             state.prefilling.pop(request_id, None)
             state.inflight.pop(request_id, None)
@@ -153,6 +155,10 @@ class Policy:
 
     def backend_of(self, request_id: str) -> str | None:
         return self._where.get(request_id)
+
+    def routed_hit_tokens(self, request_id: str) -> int:
+        """Tokens the policy expected cached at the backend it bound the request to (0 if unknown)."""
+        return self._hit_at_dispatch.get(request_id, 0)
 
     def hit_tokens(self, backend: str, request: RouteRequest) -> int:
         return self.backends[backend].cache.match(request.block_hashes) * self.config.block_size
@@ -179,6 +185,7 @@ class Policy:
         state.num_routed += 1
         state.hit_tokens += hit
         self._where[request.request_id] = backend
+        self._hit_at_dispatch[request.request_id] = hit
         self._ready.append(Assignment(request.request_id, backend))
 
 
