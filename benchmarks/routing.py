@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(policy_names()))
     parser.add_argument("--slo", type=float, default=5.0)
     parser.add_argument("--tpct", type=float, default=0.0005)
-    parser.add_argument("--serve-arg", action="append", default=["--kv-cache-memory=64MiB", "--max-model-len=2048"])
+    parser.add_argument("--serve-arg", action="append", default=["--kv-cache-memory=160MiB", "--max-model-len=2048"])
     ns = parser.parse_args()
     tokenizer = load_tokenizer(ns.model)
     sessions = load_sharegpt_sessions(ns.sessions, tokenizer, LengthLimits(max_output_len=ns.max_tokens,

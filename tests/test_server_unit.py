@@ -224,3 +224,19 @@ def test_async_engine_reports_its_death_to_new_callers() -> None:
     asyncio.run(scenario())
     assert not async_engine.is_healthy
     assert isinstance(EngineDeadError("x"), ThreefoldError) and EngineDeadError("x").status_code == 503
+
+
+def test_replicas_racing_for_the_default_batch_dir_all_serve(tmp_path) -> None:
+    """`threefold cluster` starts replicas together: the default batch dir goes to one of them and the
+    others serve without a Batch API; a batch dir the user named stays an error."""
+    from threefold.server.serving_batch import _lock_dir
+
+    holder = _lock_dir(tmp_path)  # another server holds the dir
+    try:
+        with ServerThread(FakeEngine(), batch_dir=str(tmp_path), batch_dir_is_default=True) as server:
+            assert server.state.batch is None
+            assert _client(server.url).completions.create(model="fake", prompt="ab", max_tokens=1).choices
+        with pytest.raises(ThreefoldError, match="in use by another server"):
+            ServerThread(FakeEngine(), batch_dir=str(tmp_path))
+    finally:
+        holder.close()

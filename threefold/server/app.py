@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -10,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from threefold.batch.runner import RunnerConfig
 from threefold.engine.async_engine import AsyncEngine
+from threefold.errors import ThreefoldError
 from threefold.server.batch_routes import add_batch_routes
 from threefold.server.config import ServerConfig
 from threefold.server.dashboard import add_dashboard_routes
@@ -22,6 +24,8 @@ from threefold.server.serving_chat import create_chat_completion
 from threefold.server.serving_common import STREAMS_SCOPE_KEY, ServerState, now_s
 from threefold.server.serving_completions import create_completion
 from threefold.server.serving_tokenize import detokenize, tokenize, tokenizer_info
+
+logger = logging.getLogger(__name__)
 
 _OPEN_WHILE_DRAINING = ("/metrics",)  # still answered after SIGTERM, so the drain can be watched
 
@@ -161,6 +165,12 @@ def make_state(engine: Any, config: ServerConfig) -> ServerState:
         runner_config = RunnerConfig(max_inflight_tokens=config.batch_max_inflight_tokens)
         try:
             state.batch = BatchService(state, config.batch_dir, runner_config=runner_config).start()
+        except ThreefoldError as exc:
+            if not (config.batch_dir_is_default and exc.param == "batch_dir"):
+                async_engine.shutdown()
+                raise
+            # Another server took the default dir first (replicas started together): serve without it.
+            logger.warning("%s (This server serves no Batch API.)", exc)
         except Exception:
             async_engine.shutdown()
             raise

@@ -119,7 +119,8 @@ def build_server(args: argparse.Namespace) -> DrainingServer:
     config = ServerConfig(served_model_names=tuple(args.served_model_name or [args.model]), model_path=args.model,
                           host=args.host, port=args.port, api_key=args.api_key,
                           max_queued_requests=args.max_queued_requests, shutdown_timeout_s=args.shutdown_timeout,
-                          batch_dir=_batch_dir(args), batch_max_inflight_tokens=args.batch_max_inflight_tokens,
+                          batch_dir=_batch_dir(args), batch_dir_is_default=args.batch_dir is None,
+                          batch_max_inflight_tokens=args.batch_max_inflight_tokens,
                           cost_per_hour=args.cost_per_hour, usage_ledger=args.usage_ledger)
     engine = LLMEngine.from_args(engine_args_from(args))
     state = make_state(engine, config)

@@ -26,6 +26,8 @@ class ServerConfig:
     """The Retry-After a 503 suggests."""
     batch_dir: str | None = None
     """Where the Batch API keeps its files and state (SQLite); None: no Batch API."""
+    batch_dir_is_default: bool = False
+    """batch_dir is the default one, not the user's: if another server holds it, serve without a Batch API."""
     batch_max_inflight_tokens: int = 65536
     """Estimated tokens of batch lines the engine holds at once (the offline queue limit)."""
     cost_per_hour: float | None = None
