@@ -10,8 +10,8 @@ so the blocks freed longest ago are the ones whose cached KV is evicted.
 Block 0 is the null block: never allocated, it pads block tables.
 
 Lifecycle events (when `record_events` is on, for the KV offload tiers): "cached"
-(block_id, hash) when a full block is published under its hash, "evicted" when
-a cached block's KV is dropped for reuse. The scheduler drains them each step.
+(block_id, hash) when a full block is published under its hash. The scheduler
+drains them each step; the tiers are written through, so eviction needs no event.
 """
 
 from __future__ import annotations
@@ -91,8 +91,6 @@ class BlockPool:
         self.record_events = record_events
         self.cached_events: list[tuple[int, bytes]] = []
         """(block_id, block_hash) of blocks published since the last drain."""
-        self.num_evicted = 0
-        """Cached blocks whose KV was dropped for reuse (cumulative)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -130,7 +128,6 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
-                self.num_evicted += 1
             block.block_hash = block.token_ids = None
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
