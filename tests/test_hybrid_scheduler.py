@@ -10,6 +10,7 @@ import math
 import pytest
 
 from threefold.config import SchedulerConfig, parse_duration
+from threefold.core.hybrid import step_cap, step_time_limit
 from threefold.core.kv_cache_manager import KVCacheManager
 from threefold.core.outputs import ModelRunnerOutput, SchedulerOutput
 from threefold.core.request import Request, check_request_class
@@ -92,16 +93,17 @@ def test_offline_fills_only_the_predicted_budget_while_online_runs():
         online_ids = [rid for rid in out.num_scheduled_tokens if not s.requests[rid].is_offline]
         offline_tokens = tokens_of(s, out, offline=True)
         if online_ids:
-            decoding = any(s.requests[rid].num_output_tokens > 0 for rid in online_ids)
-            limit = 0.1 if decoding else 1.0
-            # Online work is never cut for offline; offline past its floor keeps the step within the SLO.
+            prefilling = any(s.requests[rid].num_output_tokens == 0 for rid in online_ids)
+            # Online work is never cut for offline; offline past its floor keeps the step within the
+            # 100 ms cap, and a step with an online prefill chunk (a TTFT on the line) gets only the floor.
             assert all(out.num_scheduled_tokens[rid] == online_before[rid] for rid in online_ids)
             floor = max(1, math.ceil(0.05 * tokens_of(s, out, offline=False)))  # 5% of online's tokens
-            if offline_tokens > floor:
-                assert cost(s.last_shape) <= limit + 1e-12
-            saw_cut |= decoding and offline_tokens > floor and any(r.is_offline for r in s.waiting)  # held back
-        elif offline_tokens > 45:
-            saw_full = True  # no online work: offline takes the whole budget, past the SLO's 45 tokens
+            assert offline_tokens <= floor or (not prefilling and cost(s.last_shape) <= 0.1 + 1e-12)
+            saw_cut |= offline_tokens > floor and any(r.is_offline for r in s.waiting)  # held back
+        else:
+            # No online work: offline alone, cut at the cap too (an online arrival waits for this step).
+            assert cost(s.last_shape) <= 0.1 + 1e-12
+            saw_full |= offline_tokens == 45  # 10 ms + 45 x 2 ms = the 100 ms cap, of a 64-token budget
         sampled = {rid: [7] for rid, n in out.num_scheduled_tokens.items()
                    if s.requests[rid].num_computed_tokens + n >= s.requests[rid].num_tokens}
         s.update_from_output(out, ModelRunnerOutput(sampled))
@@ -242,12 +244,45 @@ def test_metrics_report_queues_tokens_and_preemptions_by_class():
 
 
 def test_offline_alone_keeps_steps_short_enough_for_an_online_arrival():
-    s = make(num_blocks=128, budget=64, predictor=cost, online_ttft_slo=0.2)  # steps up to 100 ms: 45 tokens
-    s.add_request(req("off", 100, "offline"))
-    assert run_step(s).num_scheduled_tokens == {"off": 45}
-    u = make(num_blocks=128, budget=64, online_ttft_slo=0.2)  # not calibrated and nothing online: all of it
+    # The cap: min(ITL SLO, 10% of the TTFT SLO). 100 ms fits 45 tokens, 20 ms fits 5.
+    for ttft, itl, expected in ((1.0, 0.1, 45), (5.0, 0.1, 45), (0.2, 0.1, 5), (1.0, 0.02, 5)):
+        s = make(num_blocks=128, budget=64, predictor=cost, online_ttft_slo=ttft, online_itl_slo=itl)
+        assert step_cap(s.config) == pytest.approx(min(itl, ttft / 10))
+        s.add_request(req("off", 100, "offline"))
+        assert run_step(s).num_scheduled_tokens == {"off": expected}
+    u = make(num_blocks=128, budget=64)  # not calibrated and nothing online: all of it
     u.add_request(req("off", 100, "offline"))
     assert run_step(u).num_scheduled_tokens == {"off": 64}
+
+
+def test_a_step_with_an_online_prefill_carries_only_the_floor():
+    s = make(num_blocks=256, budget=64, predictor=cost)
+    for i in range(3):
+        s.add_request(req(f"off{i}", 30, "offline", max_tokens=20, arrival=i, start=100 + 40 * i))
+    run_step(s)  # offline alone: 45 tokens (the cap)
+    s.add_request(req("on", 20, max_tokens=8, arrival=9, start=500))
+    out = run_step(s)
+    # The online prompt (20 tokens) goes whole; offline gets ceil(5% of 20) = 1 token, though 100 ms fits 25.
+    assert out.num_scheduled_tokens["on"] == 20 and tokens_of(s, out, offline=True) == 1
+    out = run_step(s)  # now the online request decodes: offline fills the step up to the cap again
+    assert out.num_scheduled_tokens["on"] == 1 and tokens_of(s, out, offline=True) == 44
+    assert cost(s.last_shape) == pytest.approx(0.1)
+
+
+def test_step_time_limit_by_step_kind():
+    config = SchedulerConfig(online_ttft_slo=2.0, online_itl_slo=0.05)  # type: ignore[arg-type]
+    prefill = req("p", 10)
+    decode = req("d", 10)
+    decode.num_computed_tokens = 10
+    decode.append_output_token(5)  # 11 tokens, 10 computed: the next step is one decode
+    recompute = req("r", 10)
+    recompute.append_output_token(5)  # preempted (nothing computed): a recompute, not a decode
+    assert step_time_limit(config, [], online_waiting=False) == pytest.approx(0.05)
+    assert step_time_limit(config, [decode], online_waiting=False) == pytest.approx(0.05)
+    assert step_time_limit(config, [decode, prefill], online_waiting=False) is None
+    assert step_time_limit(config, [recompute], online_waiting=False) is None
+    assert step_time_limit(config, [decode], online_waiting=True) is None  # online queued: floor only
+    assert step_time_limit(config, [], online_waiting=True) is None
 
 
 def test_cli_reads_the_slos_as_durations():

@@ -2,20 +2,22 @@
 
 Online work is planned first. Offline tokens are then added, request by
 request, only while the predicted time of the whole step stays within the
-latency the step's online requests can afford:
+step cap, `min(online_itl_slo, ARRIVAL_WAIT_SHARE * online_ttft_slo)`:
 
-- a step with online decodes is one inter-token gap for each: `online_itl_slo`;
-- a step with only online prefill chunks spends a share of their TTFT: each of
-  the ceil(prompt / token budget) chunks a prompt needs gets an equal share of
-  `online_ttft_slo`.
+- a step without online work, or with online decodes only, is cut at the cap.
+  An online request that arrives meanwhile waits for the step in flight, so
+  the cap bounds what offline work adds to a TTFT, and a decode step padded to
+  it is still one inter-token gap within the ITL SLO;
+- a step carrying an online prefill chunk, or one planned while online
+  requests still wait (the budget, the sequences or the KV ran out), gets only
+  the floor: padding it would push those requests' first tokens back, and at
+  high load every second offline takes there is queueing added for online.
 
-A step without online work gives offline the whole token budget, as long as the
-step is predicted to take at most half of `online_ttft_slo`: an online request
-that arrives meanwhile waits for it. Whatever the online load, offline gets at
-least `offline_min_share` of the tokens online computes in the step (one token at
-least; room for it is reserved before online is planned), so it never starves,
-and a step of a few online decodes carries a floor of a token or two, not a
-fixed chunk that would dwarf it.
+Whatever the online load, offline gets at least `offline_min_share` of the
+tokens online computes in the step (one token at least; room for it is
+reserved before online is planned), so it never starves, and a step of a few
+online decodes carries a floor of a token or two, not a fixed chunk that would
+dwarf it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from threefold.core.step_cost import BatchShape
 StepPredictor = Callable[[BatchShape], float]
 """Predicted seconds of a step of this shape (LinearStepModel, or a fixed function in tests)."""
 
+ARRIVAL_WAIT_SHARE = 0.1
+"""Most of online_ttft_slo an online arrival may wait for a step that carries offline work (its cap)."""
+
 
 class OfflineBudget:
     """One step's offline allowance: built after online is planned, asked per offline request."""
@@ -43,9 +48,7 @@ class OfflineBudget:
         self.floor = 0 if share <= 0 else max(1, math.ceil(share * shape.num_tokens))
         self.num_tokens = 0
         """Offline tokens granted so far this step."""
-        self.limit = step_time_limit(config, online)
-        if not online and not online_waiting:
-            self.limit = config.online_ttft_slo / 2  # the wait of an online request arriving mid-step
+        self.limit = step_time_limit(config, online, online_waiting)
         self.exhausted = False
         self.online_present = bool(online) or online_waiting
 
@@ -65,7 +68,9 @@ class OfflineBudget:
 
     def _fit(self, request: Request, num_new: int) -> int:
         """Largest x <= num_new whose step still meets the limit (the prediction grows with x)."""
-        if self.predictor is None or self.limit is None:
+        if self.limit is None:
+            return 0  # floor only
+        if self.predictor is None:
             return 0 if self.online_present else num_new  # uncalibrated: online latency comes first
         computed = request.num_computed_tokens
         low, high = 0, num_new
@@ -83,13 +88,18 @@ def floor_tokens(config: SchedulerConfig) -> int:
     return math.ceil(config.offline_min_share * config.max_num_batched_tokens)
 
 
-def step_time_limit(config: SchedulerConfig, online: list[Request]) -> float | None:
-    """Seconds the step may take for the online requests in it (None: there are none)."""
-    limit = None
-    for request in online:
-        if request.num_output_tokens > 0 or request.num_computed_tokens >= request.num_prompt_tokens:
-            share = config.online_itl_slo
-        else:
-            share = config.online_ttft_slo / math.ceil(request.num_prompt_tokens / config.max_num_batched_tokens)
-        limit = share if limit is None else min(limit, share)
-    return limit
+def step_cap(config: SchedulerConfig) -> float:
+    """Seconds a step with offline work past the floor may take: one ITL, and a small share of a TTFT."""
+    return min(config.online_itl_slo, ARRIVAL_WAIT_SHARE * config.online_ttft_slo)
+
+
+def step_time_limit(config: SchedulerConfig, online: list[Request], online_waiting: bool) -> float | None:
+    """Seconds the step may take with offline work in it (None: offline gets only the floor)."""
+    if online_waiting or any(_first_token_pending(r) for r in online):
+        return None
+    return step_cap(config)
+
+
+def _first_token_pending(request: Request) -> bool:
+    """A prefill chunk (first token) or a recompute after preemption: more than a decode's one token."""
+    return request.num_output_tokens == 0 or request.num_computed_tokens < request.num_tokens - 1
