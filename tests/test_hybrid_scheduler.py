@@ -250,6 +250,9 @@ def test_offline_alone_keeps_steps_short_enough_for_an_online_arrival():
         assert step_cap(s.config) == pytest.approx(min(itl, ttft / 10))
         s.add_request(req("off", 100, "offline"))
         assert run_step(s).num_scheduled_tokens == {"off": expected}
+    slow = make(num_blocks=128, budget=64, predictor=lambda shape: 10.0)  # one token already breaks the cap
+    slow.add_request(req("off", 100, "offline"))
+    assert run_step(slow).num_scheduled_tokens == {"off": 4}  # the floor: ceil(5% of the 64-token budget)
     u = make(num_blocks=128, budget=64)  # not calibrated and nothing online: all of it
     u.add_request(req("off", 100, "offline"))
     assert run_step(u).num_scheduled_tokens == {"off": 64}

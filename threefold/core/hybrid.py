@@ -15,7 +15,8 @@ step cap, `min(online_itl_slo, ARRIVAL_WAIT_SHARE * online_ttft_slo)`:
 
 Whatever the online load, offline gets at least `offline_min_share` of the
 tokens online computes in the step (one token at least; room for it is
-reserved before online is planned), so it never starves, and a step of a few
+reserved before online is planned; of the whole budget in a step without
+online work, even where one token already breaks the cap), so it never starves, and a step of a few
 online decodes carries a floor of a token or two, not a fixed chunk that would
 dwarf it.
 """
@@ -43,9 +44,13 @@ class OfflineBudget:
                  online: list[Request], online_waiting: bool) -> None:
         self.predictor = predictor
         self.shape = shape
-        # The floor scales with the step: offline's share of the tokens online computes in it (at least one).
+        # The floor scales with the step: offline's share of the tokens online computes in it (at least
+        # one), or of the whole budget when nothing online runs: on a machine too slow for the cap,
+        # offline alone must not crawl at one token a step.
         share = config.offline_min_share
         self.floor = 0 if share <= 0 else max(1, math.ceil(share * shape.num_tokens))
+        if not online and not online_waiting:
+            self.floor = floor_tokens(config)
         self.num_tokens = 0
         """Offline tokens granted so far this step."""
         self.limit = step_time_limit(config, online, online_waiting)
