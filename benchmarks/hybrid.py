@@ -262,12 +262,56 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--probe-duration", type=float, default=30.0)
     parser.add_argument("--probe-steps", type=int, default=4)
     parser.add_argument("--capacity", type=float, default=None, help="skip the probe: online requests/s")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="JSON of every cell's samples (rewritten after each cell)")
+    parser.add_argument("--report", default=None, help="print the table of a saved --out file and exit")
     return parser.parse_args()
+
+
+def table(run_info: dict, cells: list[dict]) -> list[dict]:
+    """Rows per load and schedule, pooled over rounds; ratios against online-only in the same rounds."""
+    capacity, upper, alone = run_info["capacity_rps"], run_info["saturated_rps"], run_info["offline_alone_tok_s"]
+    by_cell: dict[tuple[float, str], list[dict]] = {}
+    for cell in cells:
+        by_cell.setdefault((cell["load"], cell["schedule"]), []).append(cell)
+    rows = []
+    for load in sorted({load for load, _ in by_cell}):
+        base_cells = by_cell[(load, "online-only")]
+        leftover = alone["fcfs"] * max(0.0, 1 - load * capacity / upper)
+        for name in ("online-only", "hybrid", "naive"):
+            if (load, name) not in by_cell:
+                continue
+            row = summarize(load, name, by_cell[(load, name)], leftover)
+            if name != "online-only":
+                paired = [c for c in base_cells if c["round"] in {o["round"] for o in by_cell[(load, name)]}]
+                head = summarize(load, "online-only", paired, leftover)
+                row["ttft_p99_ratio"] = row["ttft_p99"] / head["ttft_p99"]
+                row["itl_p99_ratio"] = row["itl_p99"] / head["itl_p99"]
+                row["ci"] = p99_ratio_ci(paired, by_cell[(load, name)])
+            rows.append(row)
+    return rows
+
+
+def save(path: str | None, run_info: dict, cells: list[dict]) -> None:
+    """Everything measured so far (rewritten after each cell, so a cut-short run keeps its data)."""
+    if path:
+        raw = [{**c, "ttft": list(c["ttft"].items()), "itl": list(c["itl"].items())} for c in cells]
+        with open(path, "w") as f:
+            json.dump({**run_info, "cells": raw}, f, indent=1)
+
+
+def load_saved(path: str) -> tuple[dict, list[dict]]:
+    with open(path) as f:
+        data = json.load(f)
+    cells = [{**c, "ttft": dict(c["ttft"]), "itl": dict(c["itl"])} for c in data.pop("cells")]
+    return data, cells
 
 
 def main() -> None:
     ns = parse_args()
+    if ns.report:
+        run_info, cells = load_saved(ns.report)
+        print_table(table(run_info, cells))
+        return
     loaded = load_model(ns.model)
     tokenizer = load_tokenizer(ns.model)
     limits = LengthLimits(max_output_len=ns.max_output_len, max_prompt_len=512)
@@ -289,10 +333,11 @@ def main() -> None:
     alone = {policy: run(loaded, base, policy, [], ns.duration, online, offline)["offline_tok_s"]
              for policy in ("fcfs", "hybrid")}
     print(f"offline alone: {alone['fcfs']:.1f} tok/s whole steps, {alone['hybrid']:.1f} tok/s capped", flush=True)
-    loads = [float(x) for x in ns.loads.split(",")]
-    cells: dict[tuple[float, str], list[dict]] = {}
+    run_info = {"cpu": str(cpu), "capacity_rps": capacity, "saturated_rps": upper, "probe": probe,
+                "offline_alone_tok_s": alone, "args": vars(ns)}
+    cells: list[dict] = []
     for round_ in range(ns.rounds):
-        for load in loads:
+        for load in (float(x) for x in ns.loads.split(",")):
             arrivals = poisson(load * capacity, ns.duration, seed=round_ * 1000 + int(load * 100))
             for name, policy, batch in (("online-only", "hybrid", []), ("hybrid", "hybrid", offline),
                                         ("naive", "fcfs", offline)):
@@ -300,29 +345,10 @@ def main() -> None:
                     continue
                 cell = run(loaded, base, policy, arrivals, ns.duration, online, batch)
                 cell.update(round=round_, load=load, schedule=name)
-                cells.setdefault((load, name), []).append(cell)
+                cells.append(cell)
+                save(ns.out, run_info, cells)
                 print(json.dumps({k: v for k, v in cell.items() if k not in ("ttft", "itl")}), flush=True)
-    rows = []
-    for load in loads:
-        base_cells = cells[(load, "online-only")]
-        leftover = alone["fcfs"] * max(0.0, 1 - load * capacity / upper)
-        for name in ("online-only", "hybrid", "naive"):
-            if (load, name) not in cells:
-                continue
-            row = summarize(load, name, cells[(load, name)], leftover)
-            if name != "online-only":
-                paired = base_cells[: len(cells[(load, name)])]  # the rounds this schedule ran
-                head = summarize(load, "online-only", paired, leftover)
-                row["ttft_p99_ratio"] = row["ttft_p99"] / head["ttft_p99"]
-                row["itl_p99_ratio"] = row["itl_p99"] / head["itl_p99"]
-                row["ci"] = p99_ratio_ci(paired, cells[(load, name)])
-            rows.append(row)
-    print_table(rows)
-    if ns.out:
-        raw = [{**c, "ttft": list(c["ttft"].items()), "itl": list(c["itl"].items())} for v in cells.values() for c in v]
-        with open(ns.out, "w") as f:
-            json.dump({"cpu": str(cpu), "capacity_rps": capacity, "saturated_rps": upper, "probe": probe,
-                       "offline_alone_tok_s": alone, "args": vars(ns), "rows": rows, "cells": raw}, f, indent=1)
+    print_table(table(run_info, cells))
 
 
 if __name__ == "__main__":
