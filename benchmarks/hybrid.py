@@ -20,7 +20,8 @@ One process, one loaded model (engine-side timings, no HTTP).
     online-only  no batch work
     hybrid       --offline batch lines (HumanEval + ShareGPT-train) queued at t=0 as request_class
                  "offline" under scheduling_policy="hybrid"
-    naive        the same batch as plain requests in arrival order (scheduling_policy="fcfs")
+    naive        the same batch under scheduling_policy="fcfs" at priority 1: the engine's plain
+                 priorities (online first) with no step-time budget, so offline fills every step
 
     TTFT / ITL p50, p90, p99   online requests from their arrival time, pooled over the rounds
     ratio CI                   hybrid / online-only p99, 5-95% paired bootstrap over requests
@@ -117,23 +118,26 @@ class StepLog:
 
 def run(loaded, base: dict, policy: str, arrivals: list[float], duration: float, online: list[SampleRequest],
         offline: list[SampleRequest]) -> dict:
-    """One window: the batch queued at t=0, online requests at their arrival times; until every online one ends."""
+    """One window: the batch queued at t=0, online requests at their arrival times; until every online one ends.
+    Under fcfs the batch lines get priority 1 (the engine's plain priorities: online first, then as
+    much offline as the 2048-token budget holds); strict arrival order would put every online request
+    behind all of the batch."""
     engine = LLMEngine(loaded, EngineArgs(**base, scheduling_policy=policy))
     for i, sample in enumerate(offline):
         engine.add_request(f"off{i}", sample.prompt, params(sample), output_kind=RequestOutputKind.DELTA,
-                           request_class="offline")
+                           request_class="offline", priority=int(policy == "fcfs"))
     ttft: dict[int, float] = {}
     itl: dict[int, list[float]] = {}
     last_token: dict[int, float] = {}
     offline_tokens, next_online = 0, 0
-    start = time.perf_counter()
+    start, wall = time.perf_counter(), time.time()  # the engine orders by wall-clock arrival times
     log = StepLog(engine, duration, start)
     while True:
         now = time.perf_counter() - start
         while next_online < len(arrivals) and arrivals[next_online] <= now:
             sample = online[next_online % len(online)]
             engine.add_request(f"on{next_online}", sample.prompt, params(sample),
-                               arrival_time=start + arrivals[next_online], output_kind=RequestOutputKind.DELTA)
+                               arrival_time=wall + arrivals[next_online], output_kind=RequestOutputKind.DELTA)
             next_online += 1
         if now >= duration and not any(f"on{i}" in engine.requests for i in range(len(arrivals))):
             break
