@@ -13,7 +13,7 @@ One process, one loaded model (engine-side timings, no HTTP).
 2. Offline capacity in tokens: the batch alone for --duration seconds (output tok/s), under fcfs
    (whole 2048-token steps) and under hybrid (steps cut at the cap), both from a fresh engine.
    Online's share of the capacity is its rate over the saturated rate; what it leaves over is
-   offline-alone tok/s (fcfs) x (1 - that share).
+   the better offline-alone tok/s x (1 - that share).
 3. For each round and load (a share of the capacity; the same Poisson arrivals for every schedule
    of that round and load, rounds interleaved):
 
@@ -26,7 +26,7 @@ One process, one loaded model (engine-side timings, no HTTP).
     TTFT / ITL p50, p90, p99   online requests from their arrival time, pooled over the rounds
     ratio CI                   hybrid / online-only p99, 5-95% paired bootstrap over requests
     offline tok/s              offline output tokens in the window / window
-    leftover                   offline-alone tok/s (fcfs) x (1 - online rate / saturated rate)
+    leftover                   best offline-alone tok/s x (1 - online rate / saturated rate)
     util                       share of the window spent in engine steps (a step of 3 decodes is
                                as busy as one of 100: time, not capacity)
 """
@@ -280,7 +280,7 @@ def table(run_info: dict, cells: list[dict]) -> list[dict]:
     rows = []
     for load in sorted({load for load, _ in by_cell}):
         base_cells = by_cell[(load, "online-only")]
-        leftover = alone["fcfs"] * max(0.0, 1 - load * capacity / upper)
+        leftover = max(alone.values()) * max(0.0, 1 - load * capacity / upper)
         for name in ("online-only", "hybrid", "naive"):
             if (load, name) not in by_cell:
                 continue
