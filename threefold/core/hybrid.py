@@ -4,10 +4,11 @@ Online work is planned first. Offline tokens are then added, request by
 request, only while the predicted time of the whole step stays within the
 step cap, `min(online_itl_slo, ARRIVAL_WAIT_SHARE * online_ttft_slo)`:
 
-- a step without online work, or with online decodes only, is cut at the cap.
-  An online request that arrives meanwhile waits for the step in flight, so
-  the cap bounds what offline work adds to a TTFT, and a decode step padded to
-  it is still one inter-token gap within the ITL SLO;
+- a step without online work is cut at the cap. An online request that
+  arrives meanwhile waits for the step in flight, so the cap bounds what
+  offline work adds to a TTFT;
+- a step of online decodes is cut at the cap, and at `1 + ONLINE_SLOWDOWN`
+  times its predicted time without offline work, whichever is shorter;
 - a step carrying an online prefill chunk, or one planned while online
   requests still wait (the budget, the sequences or the KV ran out), gets only
   the floor: padding it would push those requests' first tokens back, and at
@@ -36,6 +37,13 @@ StepPredictor = Callable[[BatchShape], float]
 ARRIVAL_WAIT_SHARE = 0.1
 """Most of online_ttft_slo an online arrival may wait for a step that carries offline work (its cap)."""
 
+ONLINE_SLOWDOWN = 0.1
+"""Most the offline tokens riding in a step of online decodes may lengthen it, as a share of its
+predicted time without them: online inter-token latency stays within 10% of running alone, and the
+idle time online leaves comes back as offline-only steps (filling every online step up to the ITL
+SLO instead made each online decode several times slower, so online requests overlapped and the
+idle time disappeared)."""
+
 
 class OfflineBudget:
     """One step's offline allowance: built after online is planned, asked per offline request."""
@@ -54,6 +62,8 @@ class OfflineBudget:
         self.num_tokens = 0
         """Offline tokens granted so far this step."""
         self.limit = step_time_limit(config, online, online_waiting)
+        if self.limit is not None and online and predictor is not None:
+            self.limit = min(self.limit, (1 + ONLINE_SLOWDOWN) * predictor(shape))
         self.exhausted = False
         self.online_present = bool(online) or online_waiting
 
