@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -24,13 +25,17 @@ from server_harness import ServerThread, free_port, wait_healthy
 MODEL = "smollm2-135m"
 
 
+RETRY_AFTER_S = 3
+
+
 def new_engine(weights) -> LLMEngine:
     return LLMEngine(weights, EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory=24 << 20))
 
 
 @pytest.fixture(scope="module")
 def backends(smollm2_fp32):
-    with ServerThread(new_engine(smollm2_fp32)) as a, ServerThread(new_engine(smollm2_fp32)) as b:
+    with ServerThread(new_engine(smollm2_fp32), retry_after_s=RETRY_AFTER_S) as a, \
+            ServerThread(new_engine(smollm2_fp32), retry_after_s=RETRY_AFTER_S) as b:
         yield [a, b]
 
 
@@ -117,6 +122,38 @@ def test_a_multi_turn_session_lands_where_its_prefix_is_cached(backends, keyer):
         home = next(i for i, b in enumerate(backends) if routed[b.url] == 3)
         gained = [prefix_hits(b.url) - before for b, before in zip(backends, hits_before, strict=True)]
         assert gained[home] >= 32 and gained[1 - home] == 0 and cached[1] >= 32 and cached[2] > cached[1]
+
+
+def routed_total(front: RouterThread, url: str) -> float:
+    families = text_string_to_metric_families(httpx.get(f"{front.url}/metrics").text)
+    return sum(s.value for f in families if f.name == "threefold:router_requests"
+               for s in f.samples if s.labels["backend"] == url and s.name.endswith("_total"))
+
+
+def test_a_503_with_retry_after_is_honoured_and_the_backend_rejoins(backends, keyer):
+    drained, other = backends
+    with RouterThread([drained.url, other.url], "round_robin", keyer) as front:
+        client = front.client()
+        drained.state.draining = True  # a real server shutting down: 503 + Retry-After: 3 on every request
+        try:
+            client.completions.create(model=MODEL, prompt="One,", max_tokens=2)  # round robin tries `drained` first
+            refused_at = time.monotonic()
+            down = front.state()[drained.url]
+            assert not down["healthy"] and down["cooling_s"] > RETRY_AFTER_S - 1
+            for i in range(3):
+                client.completions.create(model=MODEL, prompt=f"Two {i},", max_tokens=2)
+            assert routed_total(front, drained.url) == 1 and routed_total(front, other.url) == 4
+        finally:
+            drained.state.draining = False
+        while not front.state()[drained.url]["healthy"]:  # its /health answers 200 again: the probe rejoins it
+            assert time.monotonic() - refused_at < 15
+            time.sleep(0.05)
+        assert time.monotonic() - refused_at >= RETRY_AFTER_S - 0.1  # not before its Retry-After ran out
+        for i in range(2):
+            client.completions.create(model=MODEL, prompt=f"Three {i},", max_tokens=2)
+        assert routed_total(front, drained.url) == 2  # back in the rotation
+        retries = httpx.get(f"{front.url}/metrics").text
+        assert 'reason="503"' in retries
 
 
 def stream_text(client: openai.OpenAI, prompt: str, started: threading.Event) -> tuple[str, str | None]:
