@@ -282,8 +282,8 @@ def test_dualmap_a_migrated_request_never_moves_back():
     assert policy._is_hotspot("i0", 0.0)  # 128 tokens pending > SLO / tpct = 100
     assert policy.rebalance("i0", 0.0) == 3  # until >= 128 - 100 tokens moved: three 12-token prompts
     moved = {e.request.request_id for e in policy.queues["i1"].entries()}
-    assert len(moved) == 3 and all(e.migrated for e in policy.queues["i1"].entries())
-    # now i1 is the hotspot and i0 idle: moving them back would pay, but migration is not recursive
+    assert len(moved) == 3 and all(e.left == ("i0",) for e in policy.queues["i1"].entries())
+    # now i1 is the hotspot and i0 idle: moving them back would pay, but they never go back
     policy.backends["i0"].prefilling.clear()
     policy.backends["i1"].prefilling["running"] = 200
     policy._push("i1", req("fresh", [9] * 12), NORMAL)

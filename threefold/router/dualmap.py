@@ -23,8 +23,9 @@ Departures from the reference, each for a defect seen here:
   configured or calibrated value. With a fixed tpct 10x too low for the machine, the SLO
   switch never fired, and at N = 2 the candidate that had served the chat template's first
   block took every request (a real 2-replica run: 24 of 24 on one replica).
-- A migrated request never migrates again (the reference's "non-recursive"); otherwise it
-  bounced between its two candidates as each in turn became the hotspot.
+- A migrated request never moves back to an instance it left; otherwise it bounced between
+  its two candidates as each in turn became the hotspot. It may still move on (to the
+  neighbour), which is what spreads a hot prefix whose two candidates are both overloaded.
 - Every per-request operation is O(log n) in the queue length (dualmap_queue.InstanceQueue).
 """
 
@@ -170,11 +171,11 @@ class DualMap(Policy):
     def _miss(self, name: str, request: RouteRequest) -> int:
         return max(1, request.num_tokens - self.hit_tokens(name, request))
 
-    def _push(self, name: str, request: RouteRequest, priority: int, migrated: bool = False) -> None:
+    def _push(self, name: str, request: RouteRequest, priority: int, left: tuple[str, ...] = ()) -> None:
         miss = self._miss(name, request)
         self._tokens_ahead[request.request_id] = self.pending_tokens(name) + miss
         self.queues[name].push(Queued(priority, miss - request.num_tokens, request.arrival, next(self._seq),
-                                      request, miss, migrated))
+                                      request, miss, left))
 
     # ---- hotspots (step 5) and late binding (step 6) -----------------------
 
@@ -195,7 +196,7 @@ class DualMap(Policy):
         rebalance is O(n log n) in the queue, not O(n) per move."""
         queue = self.queues[source]
         excess = max(self.pending_tokens(source) - self.config.slo_s / self.tpct.value, 1)  # a wait trigger moves >= 1
-        options = [(cost, entry.seq, entry, target) for entry in queue.entries() if not entry.migrated
+        options = [(cost, entry.seq, entry, target) for entry in queue.entries()
                    for cost, target in [self._move(source, entry)] if target != source]
         heapq.heapify(options)
         moved_tokens = moved = 0
@@ -208,18 +209,21 @@ class DualMap(Policy):
             if cost >= 0 or target == source:
                 break
             queue.remove(entry)
-            self._push(target, entry.request, entry.priority, migrated=True)
+            self._push(target, entry.request, entry.priority, left=(*entry.left, source))
             moved_tokens += entry.miss
             moved += 1
         self.migrations[source] = self.migrations.get(source, 0) + moved
         return moved
 
     def _move(self, source: str, entry: Queued) -> tuple[float, str]:
-        """(TTFT_target - TTFT_source, target): its other candidate, or the neighbour if that one is overloaded."""
+        """(TTFT_target - TTFT_source, target): its other candidate, or the neighbour if that one is
+        overloaded or was left before; (0, source) when there is nowhere it may go."""
         c1, c2 = self.candidates(entry.request)
         target = c2 if c1 == source else c1
-        if target == source or self._overloaded(target):
+        if target == source or target in entry.left or self._overloaded(target):
             target = self._next_instance(source)
+        if target == source or target in entry.left:
+            return 0.0, source
         source_ttft = self.tpct.value * self.pending_tokens(source)
         return self.predicted_ttft(target, entry.request) - source_ttft, target
 
