@@ -82,6 +82,22 @@ def test_bad_cli_input_gets_a_clear_error(capsys):
     assert "is not a base URL" in capsys.readouterr().err
     assert cli_main(["router", "--backend", "http://127.0.0.1:1", "--policy", "fastest"]) == 2
     assert "unknown routing policy 'fastest'" in capsys.readouterr().err
+    assert cli_main(["router", "--backend", "http://127.0.0.1:1", "--calibration", "/nonexistent.json"]) == 2
+    assert "calibration file /nonexistent.json not found" in capsys.readouterr().err
+
+
+def test_router_takes_tpct_and_pool_size_from_a_calibration(tmp_path):
+    import argparse
+
+    from threefold.router.cli import router_config
+    from threefold.sim.engine_model import EngineModel
+
+    path = tmp_path / "engine.json"
+    EngineModel({16: 0.05, 2048: 4.096}, 1e-5, block_size=16, num_blocks=300).save(path)
+    ns = argparse.Namespace(policy="dualmap", block_size=16, slo=5.0, tpct=None, calibration=str(path))
+    config = router_config(ns)
+    assert config.tpct_s == pytest.approx(0.002) and config.cache_capacity_blocks == 300 and config.slo_s == 5.0
+    assert router_config(argparse.Namespace(**{**vars(ns), "tpct": 0.01})).tpct_s == 0.01
 
 
 def test_streaming_non_streaming_models_and_malformed(backends, keyer):
