@@ -133,17 +133,22 @@ def run_policy(policy: str, urls: list[str], ns, sessions, keyer, model: EngineM
     state = httpx.get(f"{url}/router/state").json()["backends"]
     server.should_exit = True
     thread.join(10)
+    (Path(ns.out) / f"records_{policy}.json").write_text(json.dumps(records))  # to re-simulate without a rerun
+    return {**compare(policy, records, ns, model, len(urls)), "routed": [s.get("routed", 0) for s in state.values()]}
+
+
+def compare(policy: str, records: list[list[dict]], ns, model: EngineModel, num_replicas: int) -> dict:
     rows = [r for s in records for r in s]
     mismatched = sum(len(r["prompt_ids"]) != r["prompt"] for r in rows)
     real = summary([r["ttft"] for r in rows if r["ttft"] is not None],
                    sum(r["cached"] for r in rows) / max(1, sum(r["prompt"] for r in rows)))
-    trace = trace_of(records, model, config.key_tokens, ns.think)
-    sim = Simulator(model, len(urls), policy, ns.slo, ns.seed).run(trace, ns.rate)
+    trace = trace_of(records, model, router_config(model, ns.slo, ns.seed).key_tokens, ns.think)
+    sim = Simulator(model, num_replicas, policy, ns.slo, ns.seed).run(trace, ns.rate)
     simulated = {"ttft_p50": sim.ttft_p50, "ttft_p90": sim.ttft_p90, "ttft_p99": sim.ttft_p99,
                  "ttft_mean": sim.ttft_mean, "hit_rate": sim.hit_rate}
     error = {k: simulated[k] / real[k] - 1 if real[k] else None for k in real}
-    return {"policy": policy, "requests": len(rows), "prompt_len_mismatches": mismatched,
-            "routed": [s.get("routed", 0) for s in state.values()], "real": real, "sim": simulated, "error": error}
+    return {"policy": policy, "requests": len(rows), "prompt_len_mismatches": mismatched, "real": real,
+            "sim": simulated, "error": error}
 
 
 def _gauge(text: str, name: str) -> float:
@@ -184,6 +189,19 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def resimulate(ns: argparse.Namespace) -> None:
+    out = Path(ns.out)
+    previous = json.loads((out / "validation.json").read_text())
+    model = EngineModel.load(ns.calibration or previous["calibration"])
+    model = dataclasses.replace(model, num_blocks=previous["num_blocks"])
+    report = {**previous, "calibration": ns.calibration or previous["calibration"], "policies": []}
+    for row in previous["policies"]:
+        records = json.loads((out / f"records_{row['policy']}.json").read_text())
+        report["policies"].append({**compare(row["policy"], records, ns, model, previous["args"]["replicas"]),
+                                   "routed": row["routed"]})
+    print(markdown(report))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--replicas", type=int, default=2)
@@ -198,8 +216,14 @@ def main() -> None:
     parser.add_argument("--policies", default="round_robin,dualmap")
     parser.add_argument("--kv-cache-memory", type=int, default=256 << 20)
     parser.add_argument("--calibration", default=None, help="engine model JSON (default: calibrate first)")
+    parser.add_argument("--resimulate", action="store_true",
+                        help="no real run: simulate the records_<policy>.json a run left in --out again "
+                             "(with --calibration, e.g. a refitted one)")
     parser.add_argument("--out", required=True)
     ns = parser.parse_args()
+    if ns.resimulate:
+        resimulate(ns)
+        return
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     cal = Path(ns.calibration) if ns.calibration else calibrate(ns, out)
