@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -224,3 +226,37 @@ def test_replicas_as_ray_actors(keyer):
             assert reply.usage.completion_tokens == 2 and len(front.state()) == 2
     finally:
         stop_replicas(handles)
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed: `make chromium`")
+def test_router_dashboard_in_chromium_shows_its_replicas(backends, keyer, tmp_path):
+    from server_helpers import metrics
+    from test_dashboard import BROWSER_HOSTS, chromium
+
+    with RouterThread([b.url for b in backends], "round_robin", keyer) as front:
+        client = front.client()
+        for i in range(3):
+            client.completions.create(model=MODEL, prompt=f"Dashboards, take {i}:", max_tokens=4, temperature=0)
+        assert httpx.get(f"{front.url}/dashboard").headers["content-security-policy"].startswith("default-src 'self'")
+        net_log = tmp_path / "net-log.json"
+        dom = chromium(f"{front.url}/dashboard", tmp_path, "--dump-dom", f"--log-net-log={net_log}")
+        shown = dict(re.findall(r'id="([a-z0-9_-]+)">([^<]*)<', dom))
+        replicas = [metrics(b.url) for b in backends]
+        state = front.state()
+        assert int(shown["polls"]) >= 2 and shown["policy"] == "round_robin" and shown["answering"] == "2"
+        assert shown["routed"] == "3"
+        assert float(shown["generation-tokens"]) == sum(m["vllm:generation_tokens_total"] for m in replicas)
+        for i, (backend, m) in enumerate(zip(backends, replicas, strict=True)):
+            assert shown[f"r{i}-url"] == backend.url and shown[f"r{i}-healthy"] == "yes"
+            assert shown[f"r{i}-routed"] == str(state[backend.url]["routed"])
+            assert float(shown[f"r{i}-generation-tokens"]) == m["vllm:generation_tokens_total"]
+        urls = set(re.findall(r'"url":"([^"]+)"', net_log.read_text()))
+        page_urls = {u for u in urls if u.startswith(front.url)}
+        assert f"{front.url}/dashboard/static/uPlot.iife.min.js" in page_urls
+        outside = {u for u in urls - page_urls if not any(h in u.split("/")[2] for h in BROWSER_HOSTS)}
+        assert not outside, f"the page loaded external URLs: {sorted(outside)}"
+        shot = tmp_path / "router_dashboard.png"
+        chromium(f"{front.url}/dashboard", tmp_path, f"--screenshot={shot}", "--window-size=1280,900")
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        print(f"router dashboard screenshot: {shot}")
+        assert httpx.get(f"{front.url}/dashboard/static/../app.py").status_code == 404
