@@ -230,8 +230,9 @@ def test_replicas_as_ray_actors(keyer):
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed: `make chromium`")
 def test_router_dashboard_in_chromium_shows_its_replicas(backends, keyer, tmp_path):
-    from server_helpers import metrics
     from test_dashboard import BROWSER_HOSTS, chromium
+
+    from server_helpers import metrics
 
     with RouterThread([b.url for b in backends], "round_robin", keyer) as front:
         client = front.client()
