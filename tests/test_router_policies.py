@@ -248,6 +248,10 @@ def test_dualmap_at_two_replicas_spreads_once_tpct_matches_the_machine():
         policy.on_first_token(bound.request_id, now)
         policy.on_finished(bound.request_id, now)
     assert policy.tpct.value == pytest.approx(0.005)
+    policy.submit(req("whole", [600] * 200, arrival=now, cfg=policy.config), now)
+    policy.dispatch(now)
+    policy.on_first_token("whole", now + 30.0, measured=False)  # a non-streamed answer: decode time inside
+    assert policy.tpct.value == pytest.approx(0.005) and len(policy.ttfts) == 8
     for i in range(8):
         policy.submit(req(f"r{i}", chat_prompt(i), arrival=now, cfg=policy.config), now)
         policy.dispatch(now)

@@ -108,14 +108,14 @@ class DualMap(Policy):
                 self._assign(entry.request, name, now)
         return super().dispatch(now)
 
-    def on_first_token(self, request_id: str, now: float) -> None:
+    def on_first_token(self, request_id: str, now: float, measured: bool = True) -> None:
         arrival = self._arrival.pop(request_id, None)
         tokens = self._tokens_ahead.pop(request_id, 0)
-        if arrival is not None:
+        if arrival is not None and measured:  # a non-streamed answer's time includes its decode: no TTFT
             self.ttfts.append(now - arrival)
             self._p99 = None
             self.tpct.observe(tokens, now - arrival)
-        super().on_first_token(request_id, now)
+        super().on_first_token(request_id, now, measured)
 
     def on_finished(self, request_id: str, now: float) -> None:
         self._arrival.pop(request_id, None)
