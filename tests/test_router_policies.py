@@ -337,3 +337,16 @@ def test_adding_a_backend_moves_only_keys_onto_it():
             assert "i4" in dual.candidates(r)
         assert ph.ring.lookup(r.key) in (owner, "i4")
     assert 0 < moved < 0.6 * len(keys)  # about 2/5 of the pairs involve the newcomer
+
+
+def test_dualmap_spills_past_overloaded_neighbours_to_the_first_with_room():
+    policy = dualmap(n=5)
+    r = next(r for i in range(200) if "i0" in policy.candidates(r := req(f"r{i}", [i] * 12)))
+    other = next(c for c in policy.candidates(r) if c != "i0")
+    overloaded = {"i0", other, "i1", "i2"}
+    for name in overloaded:
+        policy.backends[name].prefilling["busy"] = 200  # 2 s pending > the 1 s SLO
+    policy._push("i0", r, NORMAL)
+    expected = next(n for n in ("i1", "i2", "i3", "i4") if n not in overloaded)
+    assert policy.rebalance("i0", 0.0) == 1
+    assert [e.request.request_id for e in policy.queues[expected].entries()] == [r.request_id]

@@ -42,6 +42,8 @@ from threefold.router.hashring import HashRing
 from threefold.router.policies import Assignment, NoBackendError, Policy, RouteRequest, register
 
 __all__ = ["HIGH", "NORMAL", "DualMap", "Queued"]
+NEIGHBOUR_WALK = 8
+"""How far past an overloaded candidate a migration looks for an instance with room."""
 
 
 @register
@@ -221,7 +223,7 @@ class DualMap(Policy):
         c1, c2 = self.candidates(entry.request)
         target = c2 if c1 == source else c1
         if target == source or target in entry.left or self._overloaded(target):
-            target = self._next_instance(source)
+            target = self._neighbour(source, entry)
         if target == source or target in entry.left:
             return 0.0, source
         source_ttft = self.tpct.value * self.pending_tokens(source)
@@ -233,6 +235,19 @@ class DualMap(Policy):
             return True
         recent = state.last_prefill_done is not None and now - state.last_prefill_done < self.config.recent_prefill_s
         return len(state.prefilling) <= 1 and recent
+
+    def _neighbour(self, source: str, entry: Queued) -> str:
+        """The first instance after `source` (in join order, at most NEIGHBOUR_WALK on) that is
+        neither overloaded nor left by this request; (i+1) mod N if none is. The reference takes
+        (i+1) always: a prefix hot enough to overload its two candidates and their neighbours then
+        spreads one instance per hop, each queued request moving again at every hop."""
+        n = len(self._order)
+        start = self._index[source]
+        for step in range(1, min(n, NEIGHBOUR_WALK + 1)):
+            name = self._order[(start + step) % n]
+            if name not in entry.left and not self._overloaded(name):
+                return name
+        return self._next_instance(source)
 
     def _next_instance(self, name: str) -> str:
         return self._order[(self._index[name] + 1) % len(self._order)]
