@@ -192,6 +192,8 @@ def markdown(report: dict) -> str:
 def resimulate(ns: argparse.Namespace) -> None:
     out = Path(ns.out)
     previous = json.loads((out / "validation.json").read_text())
+    for key in ("rate", "slo", "seed", "think", "turns"):  # the run's own schedule and router settings
+        setattr(ns, key, previous["args"][key])
     model = EngineModel.load(ns.calibration or previous["calibration"])
     model = dataclasses.replace(model, num_blocks=previous["num_blocks"])
     report = {**previous, "calibration": ns.calibration or previous["calibration"], "policies": []}
