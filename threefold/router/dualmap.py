@@ -24,8 +24,9 @@ Departures from the reference, each for a defect seen here:
   switch never fired, and at N = 2 the candidate that had served the chat template's first
   block took every request (a real 2-replica run: 24 of 24 on one replica).
 - A migrated request never moves back to an instance it left; otherwise it bounced between
-  its two candidates as each in turn became the hotspot. It may still move on (to the
-  neighbour), which is what spreads a hot prefix whose two candidates are both overloaded.
+  its two candidates as each in turn became the hotspot. It may still move on, which is what
+  spreads a hot prefix whose two candidates are both overloaded; and "the neighbour" is the
+  first of the next NEIGHBOUR_WALK instances with room, not always (i+1).
 - Every per-request operation is O(log n) in the queue length (dualmap_queue.InstanceQueue).
 """
 
