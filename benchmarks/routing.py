@@ -33,6 +33,8 @@ from threefold.router.config import RouterConfig
 from threefold.router.keys import PromptKeyer
 from threefold.router.policies import policy_names
 from threefold.router.proxy import ProxyConfig, Router
+from threefold.sim.engine_model import EngineModel
+from threefold.sim.simulator import router_config
 
 
 def run_session(url: str, model: str, session, turns: int, tag: str, max_tokens: int) -> list[dict]:
@@ -62,7 +64,10 @@ def run_session(url: str, model: str, session, turns: int, tag: str, max_tokens:
 
 
 def run_policy(policy: str, urls: list[str], ns, sessions, keyer) -> dict:
-    router = Router(urls, policy, RouterConfig(slo_s=ns.slo, tpct_s=ns.tpct), keyer, ProxyConfig())
+    config = RouterConfig(slo_s=ns.slo, tpct_s=ns.tpct)
+    if ns.calibration:  # tpct and the pool size measured by `threefold bench calibrate`
+        config = router_config(EngineModel.load(ns.calibration), ns.slo, 0)
+    router = Router(urls, policy, config, keyer, ProxyConfig())
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(router), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -103,6 +108,7 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(policy_names()))
     parser.add_argument("--slo", type=float, default=5.0)
     parser.add_argument("--tpct", type=float, default=0.0005)
+    parser.add_argument("--calibration", default=None, help="engine model JSON: sets tpct (overrides --tpct)")
     parser.add_argument("--serve-arg", action="append", default=["--kv-cache-memory=160MiB", "--max-model-len=2048"])
     ns = parser.parse_args()
     tokenizer = load_tokenizer(ns.model)

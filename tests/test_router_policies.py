@@ -156,7 +156,7 @@ def test_dualmap_queue_order_is_priority_then_hit_then_arrival():
     policy.submit(req("hit", [*range(8), 7], arrival=1.0), 1.0)
     policy.submit(req("early-miss", [60] * 8, arrival=-1.0), 1.0)
     policy._push("i0", req("urgent", [70] * 8, arrival=5.0), HIGH)
-    order = [entry.request.request_id for entry in sorted(policy.queues["i0"])]
+    order = [entry.request.request_id for entry in policy.queues["i0"].entries()]
     assert order == ["urgent", "hit", "early-miss", "late-miss"]
     assert policy._priority(10.0) == NORMAL  # no TTFTs observed yet
     policy.ttfts.extend([0.1] * 100)
@@ -201,7 +201,7 @@ def test_dualmap_rebalances_a_hotspot_to_other_candidates():
     assert policy.pending_tokens(hot) == 152 - 5 * 12
     assert sum(len(q) for q in policy.queues.values()) == 6 and policy.migrations[hot] == 5
     for name in ("i1", "i2"):
-        for entry in policy.queues[name]:
+        for entry in policy.queues[name].entries():
             assert name in policy.candidates(entry.request) or name == "i1"  # other candidate or next
 
 
@@ -212,4 +212,141 @@ def test_dualmap_wait_triggers_hotspot_and_leaving_backend_requeues():
     policy._push("i0", req("old", [1] * 8, arrival=0.0), NORMAL)
     assert not policy._is_hotspot("i0", 2.9) and policy._is_hotspot("i0", 3.0)
     policy.remove_backend("i0", 3.0)
-    assert [e.request.request_id for e in policy.queues["i1"]] == ["old"]
+    assert [e.request.request_id for e in policy.queues["i1"].entries()] == ["old"]
+
+
+def two_replicas(adapt: bool) -> DualMap:
+    policy = make_policy("dualmap", ["a", "b"], RouterConfig(block_size=16, key_tokens=32, tpct_s=0.0005,
+                                                             slo_s=5.0, adapt_tpct=adapt))
+    assert isinstance(policy, DualMap)
+    return policy
+
+
+def chat_prompt(i: int, length: int = 300) -> list[int]:
+    return [7] * 16 + [1000 + i] * (length - 16)  # one shared block (a chat template's), then the session's own
+
+
+def test_dualmap_at_two_replicas_spreads_once_tpct_matches_the_machine():
+    # The real 2-replica run: every prompt shares the chat template's first block, the configured
+    # tpct (0.5 ms/token) is 10x below this CPU's. The replica that served the template first is
+    # the affine candidate of every request, and 8 queued prompts (2,400 tokens -> 1.2 s predicted)
+    # never pass SLO/2, so all 8 land on it.
+    stuck = two_replicas(adapt=False)
+    for i in range(8):  # as the proxy does: dispatch after every submit
+        stuck.submit(req(f"r{i}", chat_prompt(i), cfg=stuck.config), 0.0)
+        stuck.dispatch(0.0)
+    placed = sorted(len(s.inflight) + len(q) for s, q in zip(stuck.backends.values(), stuck.queues.values(),
+                                                             strict=True))
+    assert placed == [0, 8]
+    # Adapting: 8 requests served alone, each TTFT = 5 ms x its miss tokens, teach it tpct = 5 ms.
+    policy = two_replicas(adapt=True)
+    now = 0.0
+    for i in range(8):
+        policy.submit(req(f"w{i}", [500 + i] * 200, arrival=now, cfg=policy.config), now)
+        (bound,) = policy.dispatch(now)
+        now += 0.005 * 200
+        policy.on_first_token(bound.request_id, now)
+        policy.on_finished(bound.request_id, now)
+    assert policy.tpct.value == pytest.approx(0.005)
+    policy.submit(req("whole", [600] * 200, arrival=now, cfg=policy.config), now)
+    policy.dispatch(now)
+    policy.on_first_token("whole", now + 30.0, measured=False)  # a non-streamed answer: decode time inside
+    assert policy.tpct.value == pytest.approx(0.005) and len(policy.ttfts) == 8
+    for i in range(8):
+        policy.submit(req(f"r{i}", chat_prompt(i), arrival=now, cfg=policy.config), now)
+        policy.dispatch(now)
+    placed = {name: len(s.inflight) + len(policy.queues[name]) for name, s in policy.backends.items()}
+    assert min(placed.values()) >= 3  # past SLO/2 (2.5 s = 500 tokens ahead) it takes the cheaper candidate
+
+
+def test_tpct_estimate_is_the_least_squares_slope_and_waits_for_points():
+    from threefold.router.dualmap_queue import TpctEstimate
+
+    est = TpctEstimate(0.001, window=4, adapt=True, min_points=3)
+    est.observe(100, 0.3)
+    est.observe(200, 0.6)
+    assert est.value == 0.001  # two points: not yet
+    est.observe(300, 0.9)
+    assert est.value == pytest.approx(0.003)
+    for _ in range(4):  # the window forgets the old points
+        est.observe(100, 0.1)
+    assert est.value == pytest.approx(0.001)
+    frozen = TpctEstimate(0.001, window=4, adapt=False)
+    for _ in range(10):
+        frozen.observe(100, 5.0)
+    assert frozen.value == 0.001
+
+
+def test_dualmap_a_migrated_request_never_moves_back():
+    policy = dualmap(n=2)
+    policy.backends["i0"].prefilling["running"] = 80
+    policy.backends["i1"].prefilling["running"] = 1
+    for i in range(4):
+        policy._push("i0", req(f"r{i}", [i] * 12), NORMAL)
+    assert policy._is_hotspot("i0", 0.0)  # 128 tokens pending > SLO / tpct = 100
+    assert policy.rebalance("i0", 0.0) == 3  # until >= 128 - 100 tokens moved: three 12-token prompts
+    moved = {e.request.request_id for e in policy.queues["i1"].entries()}
+    assert len(moved) == 3 and all(e.left == ("i0",) for e in policy.queues["i1"].entries())
+    # now i1 is the hotspot and i0 idle: moving them back would pay, but they never go back
+    policy.backends["i0"].prefilling.clear()
+    policy.backends["i1"].prefilling["running"] = 200
+    policy._push("i1", req("fresh", [9] * 12), NORMAL)
+    assert policy._is_hotspot("i1", 0.0)
+    assert policy.rebalance("i1", 0.0) == 1  # only the request that never moved
+    assert {e.request.request_id for e in policy.queues["i0"].entries()} == {"r0", "r1", "r2", "r3", "fresh"} - moved
+    assert {e.request.request_id for e in policy.queues["i1"].entries()} == moved
+
+
+def test_instance_queue_matches_a_plain_list_under_random_operations():
+    import random as stdlib_random
+
+    from threefold.router.dualmap_queue import InstanceQueue, Queued
+
+    rng = stdlib_random.Random(5)
+    queue, plain = InstanceQueue(), []
+    for seq in range(3000):
+        op = rng.random()
+        if op < 0.5 or not plain:
+            entry = Queued(rng.choice([HIGH, NORMAL]), -rng.randrange(50), rng.random() * 100, seq,
+                           req(f"r{seq}", [1]), rng.randrange(1, 40))
+            queue.push(entry)
+            plain.append(entry)
+        elif op < 0.75:
+            assert queue.pop() == min(plain)
+            plain.remove(min(plain))
+        else:
+            victim = rng.choice(plain)
+            queue.remove(victim)
+            plain.remove(victim)
+        assert len(queue) == len(plain) and queue.tokens == sum(e.miss for e in plain)
+        assert queue.oldest_arrival() == (min(e.arrival for e in plain) if plain else None)
+    assert queue.entries() == sorted(plain)
+
+
+def test_adding_a_backend_moves_only_keys_onto_it():
+    keys = [req(f"k{i}", [i, i * 7, 3, 4, 5, 6, 7, 8]) for i in range(400)]
+    dual, ph = dualmap(n=4), make_policy("prefix_hash", [f"i{k}" for k in range(4)], CFG)
+    before = {r.request_id: (dual.candidates(r), ph.ring.lookup(r.key)) for r in keys}
+    dual.add_backend("i4", 0.0)
+    ph.add_backend("i4", 0.0)
+    moved = 0
+    for r in keys:
+        pair, owner = before[r.request_id]
+        if dual.candidates(r) != pair:
+            moved += 1
+            assert "i4" in dual.candidates(r)
+        assert ph.ring.lookup(r.key) in (owner, "i4")
+    assert 0 < moved < 0.6 * len(keys)  # about 2/5 of the pairs involve the newcomer
+
+
+def test_dualmap_spills_past_overloaded_neighbours_to_the_first_with_room():
+    policy = dualmap(n=5)
+    r = next(r for i in range(200) if "i0" in policy.candidates(r := req(f"r{i}", [i] * 12)))
+    other = next(c for c in policy.candidates(r) if c != "i0")
+    overloaded = {"i0", other, "i1", "i2"}
+    for name in overloaded:
+        policy.backends[name].prefilling["busy"] = 200  # 2 s pending > the 1 s SLO
+    policy._push("i0", r, NORMAL)
+    expected = next(n for n in ("i1", "i2", "i3", "i4") if n not in overloaded)
+    assert policy.rebalance("i0", 0.0) == 1
+    assert [e.request.request_id for e in policy.queues[expected].entries()] == [r.request_id]

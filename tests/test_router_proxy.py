@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -24,13 +27,17 @@ from server_harness import ServerThread, free_port, wait_healthy
 MODEL = "smollm2-135m"
 
 
+RETRY_AFTER_S = 3
+
+
 def new_engine(weights) -> LLMEngine:
     return LLMEngine(weights, EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory=24 << 20))
 
 
 @pytest.fixture(scope="module")
 def backends(smollm2_fp32):
-    with ServerThread(new_engine(smollm2_fp32)) as a, ServerThread(new_engine(smollm2_fp32)) as b:
+    with ServerThread(new_engine(smollm2_fp32), retry_after_s=RETRY_AFTER_S) as a, \
+            ServerThread(new_engine(smollm2_fp32), retry_after_s=RETRY_AFTER_S) as b:
         yield [a, b]
 
 
@@ -77,6 +84,22 @@ def test_bad_cli_input_gets_a_clear_error(capsys):
     assert "is not a base URL" in capsys.readouterr().err
     assert cli_main(["router", "--backend", "http://127.0.0.1:1", "--policy", "fastest"]) == 2
     assert "unknown routing policy 'fastest'" in capsys.readouterr().err
+    assert cli_main(["router", "--backend", "http://127.0.0.1:1", "--calibration", "/nonexistent.json"]) == 2
+    assert "calibration file /nonexistent.json not found" in capsys.readouterr().err
+
+
+def test_router_takes_tpct_and_pool_size_from_a_calibration(tmp_path):
+    import argparse
+
+    from threefold.router.cli import router_config
+    from threefold.sim.engine_model import EngineModel
+
+    path = tmp_path / "engine.json"
+    EngineModel({16: 0.05, 2048: 4.096}, 1e-5, block_size=16, num_blocks=300).save(path)
+    ns = argparse.Namespace(policy="dualmap", block_size=16, slo=5.0, tpct=None, calibration=str(path))
+    config = router_config(ns)
+    assert config.tpct_s == pytest.approx(0.002) and config.cache_capacity_blocks == 300 and config.slo_s == 5.0
+    assert router_config(argparse.Namespace(**{**vars(ns), "tpct": 0.01})).tpct_s == 0.01
 
 
 def test_streaming_non_streaming_models_and_malformed(backends, keyer):
@@ -117,6 +140,38 @@ def test_a_multi_turn_session_lands_where_its_prefix_is_cached(backends, keyer):
         home = next(i for i, b in enumerate(backends) if routed[b.url] == 3)
         gained = [prefix_hits(b.url) - before for b, before in zip(backends, hits_before, strict=True)]
         assert gained[home] >= 32 and gained[1 - home] == 0 and cached[1] >= 32 and cached[2] > cached[1]
+
+
+def routed_total(front: RouterThread, url: str) -> float:
+    families = text_string_to_metric_families(httpx.get(f"{front.url}/metrics").text)
+    return sum(s.value for f in families if f.name == "threefold:router_requests"
+               for s in f.samples if s.labels["backend"] == url and s.name.endswith("_total"))
+
+
+def test_a_503_with_retry_after_is_honoured_and_the_backend_rejoins(backends, keyer):
+    drained, other = backends
+    with RouterThread([drained.url, other.url], "round_robin", keyer) as front:
+        client = front.client()
+        drained.state.draining = True  # a real server shutting down: 503 + Retry-After: 3 on every request
+        try:
+            client.completions.create(model=MODEL, prompt="One,", max_tokens=2)  # round robin tries `drained` first
+            refused_at = time.monotonic()
+            down = front.state()[drained.url]
+            assert not down["healthy"] and down["cooling_s"] > RETRY_AFTER_S - 1
+            for i in range(3):
+                client.completions.create(model=MODEL, prompt=f"Two {i},", max_tokens=2)
+            assert routed_total(front, drained.url) == 1 and routed_total(front, other.url) == 4
+        finally:
+            drained.state.draining = False
+        while not front.state()[drained.url]["healthy"]:  # its /health answers 200 again: the probe rejoins it
+            assert time.monotonic() - refused_at < 15
+            time.sleep(0.05)
+        assert time.monotonic() - refused_at >= RETRY_AFTER_S - 0.1  # not before its Retry-After ran out
+        for i in range(2):
+            client.completions.create(model=MODEL, prompt=f"Three {i},", max_tokens=2)
+        assert routed_total(front, drained.url) == 2  # back in the rotation
+        retries = httpx.get(f"{front.url}/metrics").text
+        assert 'reason="503"' in retries
 
 
 def stream_text(client: openai.OpenAI, prompt: str, started: threading.Event) -> tuple[str, str | None]:
@@ -171,3 +226,38 @@ def test_replicas_as_ray_actors(keyer):
             assert reply.usage.completion_tokens == 2 and len(front.state()) == 2
     finally:
         stop_replicas(handles)
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed: `make chromium`")
+def test_router_dashboard_in_chromium_shows_its_replicas(backends, keyer, tmp_path):
+    from test_dashboard import BROWSER_HOSTS, chromium
+
+    from server_helpers import metrics
+
+    with RouterThread([b.url for b in backends], "round_robin", keyer) as front:
+        client = front.client()
+        for i in range(3):
+            client.completions.create(model=MODEL, prompt=f"Dashboards, take {i}:", max_tokens=4, temperature=0)
+        assert httpx.get(f"{front.url}/dashboard").headers["content-security-policy"].startswith("default-src 'self'")
+        net_log = tmp_path / "net-log.json"
+        dom = chromium(f"{front.url}/dashboard", tmp_path, "--dump-dom", f"--log-net-log={net_log}")
+        shown = dict(re.findall(r'id="([a-z0-9_-]+)">([^<]*)<', dom))
+        replicas = [metrics(b.url) for b in backends]
+        state = front.state()
+        assert int(shown["polls"]) >= 2 and shown["policy"] == "round_robin" and shown["answering"] == "2"
+        assert shown["routed"] == "3"
+        assert float(shown["generation-tokens"]) == sum(m["vllm:generation_tokens_total"] for m in replicas)
+        for i, (backend, m) in enumerate(zip(backends, replicas, strict=True)):
+            assert shown[f"r{i}-url"] == backend.url and shown[f"r{i}-healthy"] == "yes"
+            assert shown[f"r{i}-routed"] == str(state[backend.url]["routed"])
+            assert float(shown[f"r{i}-generation-tokens"]) == m["vllm:generation_tokens_total"]
+        urls = set(re.findall(r'"url":"([^"]+)"', net_log.read_text()))
+        page_urls = {u for u in urls if u.startswith(front.url)}
+        assert f"{front.url}/dashboard/static/uPlot.iife.min.js" in page_urls
+        outside = {u for u in urls - page_urls if not any(h in u.split("/")[2] for h in BROWSER_HOSTS)}
+        assert not outside, f"the page loaded external URLs: {sorted(outside)}"
+        shot = tmp_path / "router_dashboard.png"
+        chromium(f"{front.url}/dashboard", tmp_path, f"--screenshot={shot}", "--window-size=1280,900")
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        print(f"router dashboard screenshot: {shot}")
+        assert httpx.get(f"{front.url}/dashboard/static/../app.py").status_code == 404

@@ -48,8 +48,13 @@ def test_calibration_fit_and_round_trip(tmp_path):
     per_token, per_context = 1e-4, 2e-7
     points = [StepPoint(p, 0, 0, 0.01 + per_token * p) for p in (16, 256, 1024)]
     points += [StepPoint(0, d, d * c, 0.01 + per_token * d + per_context * d * c) for d, c in ((16, 256), (256, 512))]
+    per_pair = 3e-8  # a chunk's attention over a cached prefix: per (new token x cached token)
+    points += [StepPoint(p, 0, c, 0.01 + per_token * p + per_pair * p * c) for p, c in ((64, 512), (256, 1024))]
     model = EngineModel.fit(points, block_size=16, num_blocks=1234, model="m", cpu="AVX2")
     assert model.per_context_s == pytest.approx(per_context, rel=0.05)
+    assert model.per_prefill_context_s == pytest.approx(per_pair, rel=0.05)
+    assert model.token_profile == {16: 0.01 + per_token * 16, 256: 0.01 + per_token * 256,
+                                   1024: 0.01 + per_token * 1024}  # the prefixed points stay out of it
     assert model.step_seconds(256, 1000) == pytest.approx(0.01 + per_token * 256 + per_context * 1000, rel=0.02)
     path = tmp_path / "engine.json"
     model.save(path)
@@ -92,6 +97,17 @@ def test_prefix_cache_lru_and_hit_accounting():
     full = request("f", (5, 6, 7))
     _serve(inst, full, now)
     assert full.hit_tokens == 11
+
+
+def test_a_chunk_after_a_cached_prefix_pays_for_attending_to_it():
+    model = EngineModel({1: 0.01, 64: 0.05}, 0.0, 1e-6, block_size=4, num_blocks=64, max_num_batched_tokens=64)
+    inst = Instance("i0", model)
+    _serve(inst, SimRequest("cold", 40, 1, tuple(range(10)), tuple(range(10)), 0, 0.0), 0.0)
+    warm = SimRequest("warm", 48, 1, tuple(range(12)), tuple(range(12)), 0, 10.0)
+    start = 10.0
+    end = inst.enqueue(warm, start)
+    assert warm.hit_tokens == 40  # 8 new tokens after 40 cached
+    assert end - start == pytest.approx(model.cost(8) + 1e-6 * 8 * 40)
 
 
 def test_decode_stretch_cut_matches_step_by_step():

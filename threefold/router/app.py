@@ -1,5 +1,5 @@
 """The router's FastAPI app: the OpenAI routes proxied through a Router, plus its own
-/health, /metrics and /router/state."""
+/health, /metrics, /router/state and /dashboard."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from threefold.errors import ThreefoldError
+from threefold.router.dashboard import add_dashboard_routes
 from threefold.router.proxy import Router
 from threefold.server.errors import error_response, install_handlers
 
@@ -68,5 +69,7 @@ def build_app(router: Router) -> FastAPI:
     @app.get("/router/state")
     async def state() -> dict:
         return router.state()
+
+    add_dashboard_routes(app, router)
 
     return app

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import socket
@@ -34,7 +35,11 @@ def _common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, help="HF directory or .gguf (default: the model's)")
     parser.add_argument("--block-size", type=int, default=16, help="the engines' KV block size")
     parser.add_argument("--slo", type=float, default=5.0, help="DualMap TTFT SLO, seconds")
-    parser.add_argument("--tpct", type=float, default=0.0005, help="DualMap prefill seconds per uncached token")
+    parser.add_argument("--tpct", type=float, default=None,
+                        help="DualMap prefill seconds per uncached token, the starting value it refits to observed "
+                             "TTFTs (default: from --calibration, else 0.0005)")
+    parser.add_argument("--calibration", default=None,
+                        help="engine model JSON from `threefold bench calibrate`: tpct, block size, prefix-cache size")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -56,7 +61,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def router_config(ns: argparse.Namespace) -> RouterConfig:
     if ns.policy not in policy_names():
         raise ThreefoldError(f"unknown routing policy {ns.policy!r}; choose one of {policy_names()}", param="policy")
-    return RouterConfig(block_size=ns.block_size, slo_s=ns.slo, tpct_s=ns.tpct)
+    if ns.calibration:
+        from threefold.sim.engine_model import EngineModel
+        from threefold.sim.simulator import router_config as calibrated
+
+        config = calibrated(EngineModel.load(ns.calibration), ns.slo, 0)
+        return config if ns.tpct is None else dataclasses.replace(config, tpct_s=ns.tpct)
+    return RouterConfig(block_size=ns.block_size, slo_s=ns.slo, tpct_s=0.0005 if ns.tpct is None else ns.tpct)
 
 
 def cmd_router(ns: argparse.Namespace) -> int:

@@ -29,7 +29,11 @@ class RouterConfig:
     slo_s: float = 5.0
     """DualMap: the TTFT SLO in seconds (the paper's 5 s)."""
     tpct_s: float = 0.0005
-    """DualMap: prefill seconds per uncached token (TTFT = tpct * miss tokens ahead and own)."""
+    """DualMap: prefill seconds per uncached token (TTFT = tpct * miss tokens ahead and own). The
+    starting value: `threefold bench calibrate` measures it (`threefold router --calibration FILE`)."""
+    adapt_tpct: bool = True
+    """DualMap: refit tpct to the TTFTs the router observes (least squares over the last
+    ttft_window requests), so the SLO switch follows the machine's real speed and load."""
     hotspot_wait_s: float = 3.0
     """DualMap: an instance whose oldest queued request waited this long is a hotspot."""
     recent_prefill_s: float = 2.0

@@ -17,6 +17,17 @@ hotspot rebalancing and late binding. Defaults follow the reference code
    requests never move.
 6. Late binding: an instance pulls from its queue when nothing is prefilling there, or one
    request is and its last prefill ended < 2 s ago; one pull takes up to SLO/tpct miss tokens.
+
+Departures from the reference, each for a defect seen here:
+- tpct is fitted online to the TTFTs the router observes (TpctEstimate), starting from the
+  configured or calibrated value. With a fixed tpct 10x too low for the machine, the SLO
+  switch never fired, and at N = 2 the candidate that had served the chat template's first
+  block took every request (a real 2-replica run: 24 of 24 on one replica).
+- A migrated request never moves back to an instance it left; otherwise it bounced between
+  its two candidates as each in turn became the hotspot. It may still move on, which is what
+  spreads a hot prefix whose two candidates are both overloaded; and "the neighbour" is the
+  first of the next NEIGHBOUR_WALK instances with room, not always (i+1).
+- Every per-request operation is O(log n) in the queue length (dualmap_queue.InstanceQueue).
 """
 
 from __future__ import annotations
@@ -25,26 +36,15 @@ import heapq
 import itertools
 import random
 from collections import deque
-from dataclasses import dataclass, field
 
 from threefold.router.config import RouterConfig
+from threefold.router.dualmap_queue import HIGH, NORMAL, InstanceQueue, Queued, TpctEstimate
 from threefold.router.hashring import HashRing
 from threefold.router.policies import Assignment, NoBackendError, Policy, RouteRequest, register
 
-HIGH, NORMAL = 0, 1
-
-
-@dataclass(order=True)
-class Queued:
-    """A heap entry; the order is DualMap's (priority, -hit, arrival), then submission order."""
-
-    priority: int
-    neg_hit: int
-    arrival: float
-    seq: int
-    request: RouteRequest = field(compare=False)
-    miss: int = field(compare=False, default=0)
-    """Uncached tokens at the instance whose queue holds the entry."""
+__all__ = ["HIGH", "NORMAL", "DualMap", "Queued"]
+NEIGHBOUR_WALK = 8
+"""How far past an overloaded candidate a migration looks for an instance with room."""
 
 
 @register
@@ -54,10 +54,15 @@ class DualMap(Policy):
     def __init__(self, backends: list[str], config: RouterConfig | None = None) -> None:
         cfg = config or RouterConfig()
         self.rings = (HashRing(vnodes=cfg.vnodes, salt="dualmap-1"), HashRing(vnodes=cfg.vnodes, salt="dualmap-2"))
-        self.queues: dict[str, list[Queued]] = {}
+        self.queues: dict[str, InstanceQueue] = {}
         self.migrations: dict[str, int] = {}  # per source instance
         self.ttfts: deque[float] = deque(maxlen=cfg.ttft_window)
+        self.tpct = TpctEstimate(cfg.tpct_s, cfg.ttft_window, cfg.adapt_tpct)
+        self._p99: float | None = None  # of self.ttfts; None: recompute
         self._arrival: dict[str, float] = {}
+        self._tokens_ahead: dict[str, int] = {}  # request_id -> miss tokens ahead + own, when last queued
+        self._order: list[str] = []  # backends in join order, for the (i+1) mod N neighbour
+        self._index: dict[str, int] = {}
         self._seq = itertools.count()
         self._rng = random.Random(cfg.seed)
         super().__init__(backends, cfg)
@@ -68,16 +73,21 @@ class DualMap(Policy):
         if name not in self.backends:
             for ring in self.rings:
                 ring.add(name)
-            self.queues[name] = []
+            self.queues[name] = InstanceQueue()
             self.migrations.setdefault(name, 0)
+            self._index[name] = len(self._order)
+            self._order.append(name)
         super().add_backend(name, now)
 
     def remove_backend(self, name: str, now: float) -> None:
         for ring in self.rings:
             ring.remove(name)
-        orphans = self.queues.pop(name, [])
+        orphans = self.queues.pop(name, InstanceQueue()).entries()
+        if name in self._index:
+            self._order.remove(name)
+            self._index = {b: i for i, b in enumerate(self._order)}
         super().remove_backend(name, now)
-        for entry in sorted(orphans):
+        for entry in orphans:
             if self.backends:
                 self._enqueue(entry.request, now)
 
@@ -90,25 +100,29 @@ class DualMap(Policy):
         self._enqueue(request, now)
 
     def dispatch(self, now: float) -> list[Assignment]:
-        budget = max(1, round(self.config.slo_s / self.config.tpct_s))
+        budget = max(1, round(self.config.slo_s / self.tpct.value))
         for name, queue in self.queues.items():
             if not queue or not self._ready_to_pull(name, now):
                 continue
             taken = 0
-            while queue and (taken == 0 or taken + queue[0].miss <= budget):
-                entry = heapq.heappop(queue)
+            while queue and (taken == 0 or taken + queue.peek().miss <= budget):
+                entry = queue.pop()
                 taken += entry.miss
                 self._assign(entry.request, name, now)
         return super().dispatch(now)
 
-    def on_first_token(self, request_id: str, now: float) -> None:
+    def on_first_token(self, request_id: str, now: float, measured: bool = True) -> None:
         arrival = self._arrival.pop(request_id, None)
-        if arrival is not None:
+        tokens = self._tokens_ahead.pop(request_id, 0)
+        if arrival is not None and measured:  # a non-streamed answer's time includes its decode: no TTFT
             self.ttfts.append(now - arrival)
-        super().on_first_token(request_id, now)
+            self._p99 = None
+            self.tpct.observe(tokens, now - arrival)
+        super().on_first_token(request_id, now, measured)
 
     def on_finished(self, request_id: str, now: float) -> None:
         self._arrival.pop(request_id, None)
+        self._tokens_ahead.pop(request_id, None)
         super().on_finished(request_id, now)
 
     def tick(self, now: float) -> None:
@@ -126,11 +140,10 @@ class DualMap(Policy):
         return c1, c2
 
     def pending_tokens(self, name: str) -> int:
-        return sum(e.miss for e in self.queues[name]) + self.backends[name].prefill_tokens
+        return self.queues[name].tokens + self.backends[name].prefill_tokens
 
     def predicted_ttft(self, name: str, request: RouteRequest) -> float:
-        own_miss = max(1, request.num_tokens - self.hit_tokens(name, request))
-        return self.config.tpct_s * (self.pending_tokens(name) + own_miss)
+        return self.tpct.value * (self.pending_tokens(name) + self._miss(name, request))
 
     def choose(self, request: RouteRequest, now: float) -> str:
         c1, c2 = self.candidates(request)
@@ -144,8 +157,7 @@ class DualMap(Policy):
 
     def _enqueue(self, request: RouteRequest, now: float) -> None:
         target = self.choose(request, now)
-        ttft = self.predicted_ttft(target, request)
-        self._push(target, request, self._priority(ttft))
+        self._push(target, request, self._priority(self.predicted_ttft(target, request)))
         c1, c2 = self.candidates(request)
         if self._overloaded(c1) and self._overloaded(c2):
             for name in {c1, c2}:
@@ -154,53 +166,69 @@ class DualMap(Policy):
     def _priority(self, predicted_ttft: float) -> int:
         if len(self.ttfts) < 2:
             return NORMAL
-        ordered = sorted(self.ttfts)
-        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-        return HIGH if predicted_ttft > p99 else NORMAL
+        if self._p99 is None:
+            ordered = sorted(self.ttfts)
+            self._p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        return HIGH if predicted_ttft > self._p99 else NORMAL
 
-    def _push(self, name: str, request: RouteRequest, priority: int) -> None:
-        hit = self.hit_tokens(name, request)
-        entry = Queued(priority, -hit, request.arrival, next(self._seq), request, max(1, request.num_tokens - hit))
-        heapq.heappush(self.queues[name], entry)
+    def _miss(self, name: str, request: RouteRequest) -> int:
+        return max(1, request.num_tokens - self.hit_tokens(name, request))
+
+    def _push(self, name: str, request: RouteRequest, priority: int, left: tuple[str, ...] = ()) -> None:
+        miss = self._miss(name, request)
+        self._tokens_ahead[request.request_id] = self.pending_tokens(name) + miss
+        self.queues[name].push(Queued(priority, miss - request.num_tokens, request.arrival, next(self._seq),
+                                      request, miss, left))
 
     # ---- hotspots (step 5) and late binding (step 6) -----------------------
 
     def _overloaded(self, name: str) -> bool:
-        return self.config.tpct_s * self.pending_tokens(name) > self.config.slo_s
+        return self.tpct.value * self.pending_tokens(name) > self.config.slo_s
 
     def _is_hotspot(self, name: str, now: float) -> bool:
-        queue = self.queues[name]
-        oldest_wait = now - min(e.arrival for e in queue) if queue else 0.0
-        return bool(queue) and (self._overloaded(name) or oldest_wait >= self.config.hotspot_wait_s)
+        oldest = self.queues[name].oldest_arrival()
+        if oldest is None:
+            return False
+        return self._overloaded(name) or now - oldest >= self.config.hotspot_wait_s
 
     def rebalance(self, source: str, now: float) -> int:
-        """Move queued requests off `source`, cheapest first while it pays; returns the number moved."""
-        threshold = self.config.slo_s / self.config.tpct_s
-        excess = max(self.pending_tokens(source) - threshold, 1)  # a wait-triggered hotspot moves >= 1
+        """Move queued requests off `source`, cheapest first while it pays; returns the number moved.
+
+        Lazy greedy: moves are costed once, then the cheapest is re-costed when it surfaces (each
+        move only raises the others' costs: the source's TTFT falls, a target's rises), so one
+        rebalance is O(n log n) in the queue, not O(n) per move."""
+        queue = self.queues[source]
+        excess = max(self.pending_tokens(source) - self.config.slo_s / self.tpct.value, 1)  # a wait trigger moves >= 1
+        options = [(cost, entry.seq, entry, target) for entry in queue.entries()
+                   for cost, target in [self._move(source, entry)] if target != source]
+        heapq.heapify(options)
         moved_tokens = moved = 0
-        while moved_tokens < excess and self.queues[source]:
-            cost, entry, target = min(self._moves(source), key=lambda m: (m[0], m[1]))
-            if cost >= 0:
+        while options and moved_tokens < excess:
+            _, seq, entry, _ = heapq.heappop(options)
+            cost, target = self._move(source, entry)
+            if options and cost > options[0][0]:  # dearer than it was: let the next cheapest go first
+                heapq.heappush(options, (cost, seq, entry, target))
+                continue
+            if cost >= 0 or target == source:
                 break
-            self.queues[source].remove(entry)
-            heapq.heapify(self.queues[source])
-            self._push(target, entry.request, entry.priority)
+            queue.remove(entry)
+            self._push(target, entry.request, entry.priority, left=(*entry.left, source))
             moved_tokens += entry.miss
             moved += 1
         self.migrations[source] = self.migrations.get(source, 0) + moved
         return moved
 
-    def _moves(self, source: str) -> list[tuple[float, Queued, str]]:
-        source_ttft = self.config.tpct_s * self.pending_tokens(source)
-        moves = []
-        for entry in self.queues[source]:
-            c1, c2 = self.candidates(entry.request)
-            target = c2 if c1 == source else c1
-            if target == source or self._overloaded(target):
-                target = self._next_instance(source)
-            if target != source:
-                moves.append((self.predicted_ttft(target, entry.request) - source_ttft, entry, target))
-        return moves or [(0.0, self.queues[source][0], source)]
+    def _move(self, source: str, entry: Queued) -> tuple[float, str]:
+        """(TTFT_target - TTFT_source, target): its other candidate, or the neighbour if that one is
+        overloaded or was left before; (0, source) when there is nowhere it may go."""
+        c1, c2 = self.candidates(entry.request)
+        target = c2 if c1 == source else c1
+        if target == source or target in entry.left or self._overloaded(target):
+            target = self._neighbour(source, entry)
+        if target == source or target in entry.left:
+            return 0.0, source
+        source_ttft = self.tpct.value * self.pending_tokens(source)
+        return self.predicted_ttft(target, entry.request) - source_ttft, target
 
     def _ready_to_pull(self, name: str, now: float) -> bool:
         state = self.backends[name]
@@ -209,13 +237,25 @@ class DualMap(Policy):
         recent = state.last_prefill_done is not None and now - state.last_prefill_done < self.config.recent_prefill_s
         return len(state.prefilling) <= 1 and recent
 
+    def _neighbour(self, source: str, entry: Queued) -> str:
+        """The first instance after `source` (in join order, at most NEIGHBOUR_WALK on) that is
+        neither overloaded nor left by this request; (i+1) mod N if none is. The reference takes
+        (i+1) always: a prefix hot enough to overload its two candidates and their neighbours then
+        spreads one instance per hop, each queued request moving again at every hop."""
+        n = len(self._order)
+        start = self._index[source]
+        for step in range(1, min(n, NEIGHBOUR_WALK + 1)):
+            name = self._order[(start + step) % n]
+            if name not in entry.left and not self._overloaded(name):
+                return name
+        return self._next_instance(source)
+
     def _next_instance(self, name: str) -> str:
-        names = list(self.backends)
-        return names[(names.index(name) + 1) % len(names)]
+        return self._order[(self._index[name] + 1) % len(self._order)]
 
     def snapshot(self) -> dict[str, dict]:
         snap = super().snapshot()
         for name, info in snap.items():
             info.update(queued=len(self.queues[name]), pending_tokens=self.pending_tokens(name),
-                        migrations=self.migrations.get(name, 0))
+                        migrations=self.migrations.get(name, 0), tpct_s=self.tpct.value)
         return snap

@@ -7,7 +7,8 @@ Interface (every policy, one class each, registered by name in POLICIES):
     policy.submit(request, now)            # hand the request to the policy
     for request_id, backend in policy.dispatch(now):   # requests to send now
         ...send...
-    policy.on_first_token(request_id, now) # its prefill finished (TTFT observed)
+    policy.on_first_token(request_id, now) # its prefill finished (TTFT observed; measured=False when
+                                           # only the whole answer was seen, as for a non-streamed one)
     policy.on_finished(request_id, now)    # done or failed: frees its accounting
     policy.observe_load(backend, num_requests, now)    # a backend's own count (/load)
     policy.add_backend(name, now); policy.remove_backend(name, now)
@@ -133,7 +134,7 @@ class Policy:
     def choose(self, request: RouteRequest, now: float) -> str:
         raise NotImplementedError
 
-    def on_first_token(self, request_id: str, now: float) -> None:
+    def on_first_token(self, request_id: str, now: float, measured: bool = True) -> None:
         state = self._state_of(request_id)
         if state is not None and state.prefilling.pop(request_id, None) is not None:
             state.last_prefill_done = now

@@ -214,8 +214,8 @@ class Router:
 
     def _done(self, request: RouteRequest, backend: str, arrival: float, first_token: bool) -> None:
         now = time.monotonic()
-        if first_token:
-            self.policy.on_first_token(request.request_id, now)
+        if first_token:  # a non-streamed answer: its "first token" came with the last one
+            self.policy.on_first_token(request.request_id, now, measured=False)
             self.metrics.ttft.labels(self.metrics.policy, backend).observe(now - arrival)
         self.policy.on_finished(request.request_id, now)
         self._pump()

@@ -1,8 +1,10 @@
 """`threefold bench calibrate`: time the real engine's steps over a grid of shapes, fit EngineModel.
 
 Prefill-only steps (one fresh prompt of P tokens) give the token profile;
-decode steps (D running requests of context C) give the context price. Prefix
-caching is off while measuring, so every prompt token is computed. Run it
+decode steps (D running requests of context C) give the context price; prefill
+steps of P new tokens after a cached prefix of C tokens give the price of a
+chunk's attention over context it did not compute. Every prompt starts with
+its own tokens, so only the prefix points hit the prefix cache. Run it
 under the benchmark lock: `flock /tmp/threefold-bench.lock threefold bench calibrate --out FILE`.
 """
 
@@ -18,6 +20,8 @@ from threefold.sim.engine_model import EngineModel, StepPoint
 PREFILL_TOKENS = (16, 128, 512, 1024)
 DECODE_SHAPES = ((1, 256), (8, 512), (32, 256))
 """(running requests, context tokens each)."""
+PREFIX_SHAPES = ((64, 512), (64, 1024), (256, 1024))
+"""(new prompt tokens, cached prefix tokens before them)."""
 
 
 def add_calibrate_args(parser: argparse.ArgumentParser) -> None:
@@ -32,10 +36,10 @@ def calibrate_main(ns: argparse.Namespace) -> int:
     from threefold.cpu import cpu_class
     from threefold.engine.llm_engine import EngineArgs, LLMEngine
 
-    engine = LLMEngine.from_args(EngineArgs(model=ns.model, kv_cache_memory=ns.kv_cache_memory,
-                                            enable_prefix_caching=False))
+    engine = LLMEngine.from_args(EngineArgs(model=ns.model, kv_cache_memory=ns.kv_cache_memory))
     ids = itertools.count()
-    points = _prefill_points(engine, ids, ns.repeats) + _decode_points(engine, ids, ns.repeats)
+    points = (_prefill_points(engine, ids, ns.repeats) + _decode_points(engine, ids, ns.repeats)
+              + _prefix_points(engine, ids, ns.repeats))
     args = engine.args
     info = engine.core.cache_info
     model = EngineModel.fit(points, block_size=info["block_size"], num_blocks=info["num_blocks"],
@@ -43,17 +47,28 @@ def calibrate_main(ns: argparse.Namespace) -> int:
                             model=ns.model, cpu=cpu_class())
     model.save(ns.out)
     print(f"wrote {ns.out}: per-token prefill {model.prefill_seconds_per_token() * 1e3:.3f} ms, "
-          f"context {model.per_context_s * 1e9:.1f} ns/token, {model.num_blocks} KV blocks [{model.cpu}]")
+          f"context {model.per_context_s * 1e9:.1f} ns/token, prefill over a cached prefix "
+          f"{model.per_prefill_context_s * 1e9:.2f} ns/(token x context), {model.num_blocks} KV blocks [{model.cpu}]")
     return 0
 
 
-def _add(engine, ids, num_tokens: int, max_tokens: int) -> str:
+def _prompt(seed: int, num_tokens: int) -> list[int]:
+    return [(7 * seed + 13 * i) % 20000 + 100 for i in range(num_tokens)]
+
+
+def _add(engine, ids, num_tokens: int, max_tokens: int, prompt: list[int] | None = None) -> str:
     from threefold.sample.params import SamplingParams
 
-    request_id = f"cal{next(ids)}"
-    prompt = [(7 * int(request_id[3:]) + 13 * i) % 20000 + 100 for i in range(num_tokens)]
-    engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
-    return request_id
+    number = next(ids)
+    prompt = prompt if prompt is not None else _prompt(number, num_tokens)
+    engine.add_request(f"cal{number}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                              temperature=0.0))
+    return f"cal{number}"
+
+
+def _drain(engine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def _timed_step(engine) -> float:
@@ -90,3 +105,18 @@ def _decode_points(engine, ids, repeats: int) -> list[StepPoint]:
               flush=True)
     return points
 
+
+
+def _prefix_points(engine, ids, repeats: int) -> list[StepPoint]:
+    points = []
+    for new, cached in PREFIX_SHAPES:
+        for repeat in range(repeats):
+            prefix = _prompt(100_000 + 7 * cached + repeat, cached)  # a prefix of its own: cold, then cached
+            _add(engine, ids, cached, 1, prefix)
+            _drain(engine)
+            _add(engine, ids, cached + new, 1, prefix + _prompt(200_000 + new + repeat, new))
+            points.append(StepPoint(new, 0, cached, _timed_step(engine)))
+            _drain(engine)
+        print(f"  prefill {new:5d} after {cached:5d} cached: {min(p.seconds for p in points[-repeats:]) * 1e3:.1f} ms",
+              flush=True)
+    return points

@@ -3,12 +3,17 @@
 A continuous-batching step computes some prefill tokens and one token per
 running decode. Its time is modelled as
 
-    step(tokens, context) = cost(tokens) + per_context_s * context
+    step(tokens, context, prefix) = cost(tokens) + per_context_s * context
+                                    + per_prefill_context_s * prefix
 
 `cost` is the spec package's StepCostModel (piecewise linear in the step's
 token count, measured on prefill-only steps, so prefill attention is inside
 it); `context` is the total KV length the step's decodes attend over, and
-`per_context_s` its fitted price. Both come from `threefold bench calibrate`
+`per_context_s` its fitted price. `prefix` sums, over the step's prefill chunks, chunk
+tokens x the tokens before the chunk (a cached prefix, earlier chunks): the attention a
+chunk pays over context it did not compute in this step, which the zero-context token
+profile leaves out (a later turn's few new tokens read the whole conversation). All three
+come from `threefold bench calibrate`
 (threefold/sim/calibrate.py), which times the real engine and saves this as
 JSON; `EngineModel.load` reads it back.
 """
@@ -41,6 +46,8 @@ class EngineModel:
     """Step seconds by token count (prefill-only steps): StepCostModel's points."""
     per_context_s: float
     """Seconds per token of KV context that the step's decodes attend over."""
+    per_prefill_context_s: float = 0.0
+    """Seconds per (prefill token x context token before its chunk); 0 in older calibration files."""
     block_size: int = 16
     num_blocks: int = 4096
     """KV blocks of one replica (its budget / bytes per block): the prefix cache's capacity."""
@@ -55,8 +62,8 @@ class EngineModel:
         self.token_profile = {int(k): float(v) for k, v in self.token_profile.items()}
         self.cost = StepCostModel(self.token_profile)  # raises on an empty profile
 
-    def step_seconds(self, num_tokens: int, context: int) -> float:
-        return self.cost(num_tokens) + self.per_context_s * context
+    def step_seconds(self, num_tokens: int, context: int, prefill_context: int = 0) -> float:
+        return self.cost(num_tokens) + self.per_context_s * context + self.per_prefill_context_s * prefill_context
 
     def prefill_seconds_per_token(self) -> float:
         """Marginal prefill cost at a full step: DualMap's `tpct`."""
@@ -67,9 +74,10 @@ class EngineModel:
 
     @classmethod
     def fit(cls, points: list[StepPoint], **fields) -> EngineModel:
-        """Token profile from the prefill-only points (min per count); per_context_s by least squares
-        over the decode points' residuals (time minus the token cost), never negative."""
-        prefill = [p for p in points if p.num_decodes == 0]
+        """Token profile from the fresh prefill-only points (min per count); per_context_s and
+        per_prefill_context_s by least squares over the residuals (time minus the token cost) of
+        the decode points and of the prefill-after-a-cached-prefix points, never negative."""
+        prefill = [p for p in points if p.num_decodes == 0 and p.context == 0]
         if not prefill:
             raise ThreefoldError("calibration needs at least one prefill-only step", param="calibration")
         profile: dict[int, float] = {}
@@ -77,12 +85,12 @@ class EngineModel:
             profile[p.prefill_tokens] = min(profile.get(p.prefill_tokens, float("inf")), p.seconds)
         cost = StepCostModel(profile)
         decode = [p for p in points if p.num_decodes > 0 and p.context > 0]
-        per_context = 0.0
-        if decode:
-            x = np.array([p.context for p in decode], dtype=float)
-            y = np.array([p.seconds - cost(p.prefill_tokens + p.num_decodes) for p in decode])
-            per_context = max(0.0, float(x @ y / (x @ x)))
-        return cls(profile, per_context, points=list(points), **fields)
+        per_context = _slope([p.context for p in decode],
+                             [p.seconds - cost(p.prefill_tokens + p.num_decodes) for p in decode])
+        prefixed = [p for p in points if p.num_decodes == 0 and p.context > 0]
+        per_prefill = _slope([p.prefill_tokens * p.context for p in prefixed],
+                             [p.seconds - cost(p.prefill_tokens) for p in prefixed])
+        return cls(profile, per_context, per_prefill, points=list(points), **fields)
 
     def to_dict(self) -> dict:
         data = {k: v for k, v in asdict(self).items() if k != "points"}
@@ -105,3 +113,11 @@ class EngineModel:
         except (TypeError, ValueError, KeyError) as err:
             raise ThreefoldError(f"calibration file {path} is not a threefold engine model: {err}",
                                  param="calibration") from err
+
+
+def _slope(x: list[float], y: list[float]) -> float:
+    """Least-squares slope through the origin, never negative; 0 without points."""
+    if not x:
+        return 0.0
+    xs, ys = np.array(x, dtype=float), np.array(y, dtype=float)
+    return max(0.0, float(xs @ ys / (xs @ xs)))

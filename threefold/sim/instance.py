@@ -101,8 +101,9 @@ class Instance:
                 self._chunks.append((request, chunk))
                 budget -= chunk
             tokens = sum(c for _, c in self._chunks)
+            before = sum(c * (r.prompt_len - r.remaining) for r, c in self._chunks)  # cached or earlier chunks
             self.prefill_tokens += tokens
-            self.end = now + self.model.step_seconds(tokens + num_decodes, self.context)
+            self.end = now + self.model.step_seconds(tokens + num_decodes, self.context, before)
         elif num_decodes:
             k = self.decodes[0][0] - self.steps
             a = self.model.step_seconds(num_decodes, self.context)
