@@ -20,6 +20,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -113,7 +114,9 @@ def _run_config(ns: argparse.Namespace, rungs: list[Rung]) -> RunConfig:
                      log_dir=Path(ns.out_dir) / "logs")
 
 
-def _run_all(ns, rungs: list[Rung], cfg: RunConfig, workload: Workload, traffic: Traffic) -> dict[str, RungRun]:
+def _run_all(ns, rungs: list[Rung], cfg: RunConfig, workload: Workload,
+             traffic: Traffic) -> tuple[dict[str, RungRun], Any]:
+    """Every rung's run, and the model loaded for in-process servers (None in process mode)."""
     loaded = None
     if ns.in_process and any(not r.is_baseline for r in rungs):
         from threefold.model.loader import load_model
@@ -136,10 +139,10 @@ def _run_all(ns, rungs: list[Rung], cfg: RunConfig, workload: Workload, traffic:
         played = runs[rung.name].played
         print(f"[bench cost] {rung.name}: {sum(r.ok for r in played.results)}/{len(played.results)} ok in "
               f"{played.duration_s:.1f} s ({time.perf_counter() - start:.0f} s with startup)", flush=True)
-    return runs
+    return runs, loaded
 
 
-def _rows(ns, rungs: list[Rung], runs: dict[str, RungRun], workload: Workload) -> list[dict]:
+def _rows(ns, rungs: list[Rung], runs: dict[str, RungRun], workload: Workload, loaded: Any) -> list[dict]:
     from threefold.bench.cost_quality import humaneval_problems, pass_at_1, quality_table
 
     rows = [rung_row(r.name, runs[r.name], ns.cost_per_hour) for r in rungs]
@@ -149,7 +152,9 @@ def _rows(ns, rungs: list[Rung], runs: dict[str, RungRun], workload: Workload) -
     if ns.quality_sequences:
         codecs = [ns.codec] if any(r.has("codec") for r in rungs) else []
         hf_dir = _run_config(ns, rungs).hf_dir or None
-        table = quality_table(ns.model, ns.dtype, codecs, hf_dir, ns.quality_sequences, ns.quality_len)
+        fp32_model = loaded if ns.dtype == "float32" else None
+        table = quality_table(ns.model, ns.dtype, codecs, hf_dir, ns.quality_sequences, ns.quality_len,
+                              fp32_model=fp32_model)
     for rung, row in zip(rungs, rows, strict=True):
         run = runs[rung.name]
         row["pass_at_1"] = pass_at_1(run.played.humaneval_texts, problems, asked)["pass_at_1"] if asked else None
@@ -170,8 +175,8 @@ def run_cost(ns: argparse.Namespace) -> dict:
     workload = build_workload(load_tokenizer(ns.model), ns.sessions, ns.first_turns, ns.humaneval, ns.max_turns,
                               limits, ns.seed)
     traffic = Traffic(ns.request_rate, ns.think_time, ns.seed)
-    runs = _run_all(ns, rungs, cfg, workload, traffic)
-    rows = _rows(ns, rungs, runs, workload)
+    runs, loaded = _run_all(ns, rungs, cfg, workload, traffic)
+    rows = _rows(ns, rungs, runs, workload, loaded)
     by_name = {row["rung"]: row for row in rows}
     verdict_rows = verdicts(comparisons(rungs), by_name, ns.noise)
     chain = [(label, by_name[r.name]["cost_per_m_output_tokens"]) for r, label in stacked_chain(rungs)]

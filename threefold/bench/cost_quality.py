@@ -57,14 +57,16 @@ def _engine(loaded, dtype: str, codec: str, seq_len: int, chunk: int):
 
 
 def quality_table(model: str, dtype: str, codecs: list[str], hf_dir: str | None, num_sequences: int,
-                  seq_len: int, chunk: int = 64) -> dict[str, dict]:
-    """'auto' / each codec (threefold at `dtype`) and 'hf' (when hf_dir is given) -> QualityResult dict."""
+                  seq_len: int, chunk: int = 64, fp32_model=None) -> dict[str, dict]:
+    """'auto' / each codec (threefold at `dtype`) and 'hf' (when hf_dir is given) -> QualityResult dict.
+    `fp32_model`: the model already loaded at float32, if the caller has it (saves a load)."""
     from threefold.model.loader import load_model
 
-    reference_model = load_model(model, dtype="float32", max_model_len=seq_len + 8)
+    reference_model = fp32_model or load_model(model, dtype="float32", max_model_len=seq_len + 8)
     reference = _engine(reference_model, "float32", "auto", seq_len, chunk)
     sequences = heldout_sequences(reference.get_tokenizer(), num_sequences, seq_len)
-    candidate_model = load_model(model, dtype=dtype, max_model_len=seq_len + 8)
+    candidate_model = (reference_model if dtype == "float32"
+                       else load_model(model, dtype=dtype, max_model_len=seq_len + 8))
     table = {}
     for codec in ["auto", *(c for c in codecs if c != "auto")]:
         candidate = _engine(candidate_model, dtype, codec, seq_len, chunk)

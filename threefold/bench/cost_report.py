@@ -103,6 +103,11 @@ def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if value is None else f"{value * scale:.{digits}f}"
 
 
+def _kl(value: float | None) -> str:
+    # KL >= 0; float32 sums of near-equal distributions can land a hair below zero.
+    return "-" if value is None else f"{max(value, 0.0):.4f}"
+
+
 def _share(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:.1f}%"
 
@@ -123,7 +128,7 @@ def markdown(rows: list[dict], verdict_rows: list[dict], header: str, rule: str)
         lines.append(f"| {r['rung']}{failed} | {_fmt(r['output_tok_s'])} | {_fmt(r['ttft_p50_s'], 1e3, 0)} / "
                      f"{_fmt(r['ttft_p99_s'], 1e3, 0)} | {_fmt(r['itl_p50_s'], 1e3, 0)} / "
                      f"{_fmt(r['itl_p99_s'], 1e3, 0)} | {_fmt(r['peak_rss_bytes'], 2**-20, 0)} | "
-                     f"{_fmt(quality.get('kl_mean'), 1, 4)} | {_share(quality.get('top1_agreement'))} | "
+                     f"{_kl(quality.get('kl_mean'))} | {_share(quality.get('top1_agreement'))} | "
                      f"{_share(r.get('pass_at_1'))} | {_share(r.get('same_as_cb'))} | "
                      f"{_fmt(cost, 1, 3)} | {ratio} |")
     lines += ["", "| technique | verdict | cost change per comparison | biggest per-class change |",
