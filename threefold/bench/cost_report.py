@@ -131,6 +131,12 @@ def markdown(rows: list[dict], verdict_rows: list[dict], header: str, rule: str)
                      f"{_kl(quality.get('kl_mean'))} | {_share(quality.get('top1_agreement'))} | "
                      f"{_share(r.get('pass_at_1'))} | {_share(r.get('same_as_cb'))} | "
                      f"{_fmt(cost, 1, 3)} | {ratio} |")
+    lines += ["", "Per traffic class: TTFT p50 ms / median ms per output token (a request's E2E over its tokens)", "",
+              "| rung | " + " | ".join(CLASSES) + " |", "|---|" + "---|" * len(CLASSES)]
+    for r in rows:
+        cells = [f"{_fmt(c['ttft_p50_s'], 1e3, 0)} / {_fmt(c['s_per_token_p50'], 1e3, 0)}"
+                 for c in (r["classes"][name] for name in CLASSES)]
+        lines.append(f"| {r['rung']} | " + " | ".join(cells) + " |")
     lines += ["", "| technique | verdict | cost change per comparison | biggest per-class change |",
               "|---|---|---|---|"]
     for v in verdict_rows:
