@@ -3,12 +3,14 @@ end-to-end run (in-process servers over the real model, a handful of requests)."
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
 import pytest
 
-from threefold.bench.cli import main
+from threefold.bench.cli import add_parser, main
+from threefold.bench.cost import cost_main
 from threefold.bench.cost_plot import stacked_chain
 from threefold.bench.cost_quality import humaneval_problems, passes, truncate
 from threefold.bench.cost_report import SHOW, SOME, TRULY, verdicts
@@ -86,12 +88,16 @@ def test_bad_input_is_a_clear_cli_error(args, words, capsys, tmp_path):
     assert not list(tmp_path.iterdir())  # refused before anything ran
 
 
-def test_cost_end_to_end_writes_table_json_and_waterfall(tmp_path, capsys):
+def test_cost_end_to_end_writes_table_json_and_waterfall(tmp_path, capsys, smollm2_fp32):
     out = tmp_path / "cost"
-    code = main(["bench", "cost", "--in-process", "--rungs", "cb,cb+prefix", "--dtype", "float32",
-                 "--sessions", "1", "--max-turns", "2", "--first-turns", "1", "--humaneval", "1",
-                 "--max-output-len", "8", "--think-time", "0", "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
-                 "--quality-sequences", "1", "--quality-len", "48", "--cost-per-hour", "2.5", "--out-dir", str(out)])
+    parser = argparse.ArgumentParser(prog="threefold")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args(["bench", "cost", "--in-process", "--rungs", "cb,cb+prefix", "--dtype", "float32",
+                            "--sessions", "1", "--max-turns", "2", "--first-turns", "1", "--humaneval", "1",
+                            "--max-output-len", "8", "--think-time", "0", "--kv-cache-memory", "64MiB",
+                            "--max-model-len", "1024", "--quality-sequences", "1", "--quality-len", "48",
+                            "--cost-per-hour", "2.5", "--out-dir", str(out)])
+    code = cost_main(ns, loaded=smollm2_fp32)  # the command's own function, over the session's fp32 model
     assert code == 0, capsys.readouterr().err
     doc = json.loads((out / "cost.json").read_text())
     assert [r["rung"] for r in doc["rungs"]] == ["cb", "cb+prefix"]

@@ -114,11 +114,12 @@ def _run_config(ns: argparse.Namespace, rungs: list[Rung]) -> RunConfig:
                      log_dir=Path(ns.out_dir) / "logs")
 
 
-def _run_all(ns, rungs: list[Rung], cfg: RunConfig, workload: Workload,
-             traffic: Traffic) -> tuple[dict[str, RungRun], Any]:
+def _run_all(ns, rungs: list[Rung], cfg: RunConfig, workload: Workload, traffic: Traffic,
+             loaded: Any) -> tuple[dict[str, RungRun], Any]:
     """Every rung's run, and the model loaded for in-process servers (None in process mode)."""
-    loaded = None
-    if ns.in_process and any(not r.is_baseline for r in rungs):
+    if not ns.in_process:
+        loaded = None
+    elif loaded is None and any(not r.is_baseline for r in rungs):
         from threefold.model.loader import load_model
 
         loaded = load_model(ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len)
@@ -164,7 +165,8 @@ def _rows(ns, rungs: list[Rung], runs: dict[str, RungRun], workload: Workload, l
     return rows
 
 
-def run_cost(ns: argparse.Namespace) -> dict:
+def run_cost(ns: argparse.Namespace, loaded: Any = None) -> dict:
+    """The whole job; `loaded`: a model already loaded at --dtype, for --in-process (tests share one)."""
     rungs = parse_rungs(ns.rungs)
     _check(ns, rungs)
     from threefold.bench.report import cpu_record
@@ -175,7 +177,7 @@ def run_cost(ns: argparse.Namespace) -> dict:
     workload = build_workload(load_tokenizer(ns.model), ns.sessions, ns.first_turns, ns.humaneval, ns.max_turns,
                               limits, ns.seed)
     traffic = Traffic(ns.request_rate, ns.think_time, ns.seed)
-    runs, loaded = _run_all(ns, rungs, cfg, workload, traffic)
+    runs, loaded = _run_all(ns, rungs, cfg, workload, traffic, loaded)
     rows = _rows(ns, rungs, runs, workload, loaded)
     by_name = {row["rung"]: row for row in rows}
     verdict_rows = verdicts(comparisons(rungs), by_name, ns.noise)
@@ -197,8 +199,8 @@ def _header(doc: dict) -> str:
             f"${doc['config']['cost_per_hour']:.2f}/hour; mode: {doc['mode']}")
 
 
-def cost_main(ns: argparse.Namespace) -> int:
-    doc = run_cost(ns)
+def cost_main(ns: argparse.Namespace, loaded: Any = None) -> int:
+    doc = run_cost(ns, loaded)
     out = Path(ns.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(doc["rungs"], doc["verdicts"], _header(doc), doc["verdict_rule"])
