@@ -1,4 +1,4 @@
-"""`threefold bench ...`: serve, sweep, report, quality, offline, peers.
+"""`threefold bench ...`: serve, sweep, report, quality, offline, peers, cost.
 
 Registered on the main CLI by `add_parser(subparsers)`; also runnable alone
 as `python -m threefold.bench.cli ...`. Heavy imports happen inside the
@@ -45,6 +45,12 @@ def _offline(ns: argparse.Namespace) -> int:
     from threefold.bench.offline import offline_main
 
     return offline_main(ns)
+
+
+def _cost(ns: argparse.Namespace) -> int:
+    from threefold.bench.cost import cost_main
+
+    return cost_main(ns)
 
 
 def _calibrate(ns: argparse.Namespace) -> int:
@@ -132,6 +138,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     offline.add_argument("--out", default=None)
     offline.set_defaults(func=_offline, model=DEFAULT_MODEL)
     _add_peers(sub)
+    from threefold.bench.cost import add_cost_args
+
+    cost = sub.add_parser("cost", help="the stacked ablation: cost per million tokens, rung by rung, with verdicts")
+    add_cost_args(cost)
+    cost.set_defaults(func=_cost)
     from threefold.sim.calibrate import add_calibrate_args
 
     calibrate = sub.add_parser("calibrate", help="time the real engine's steps; fit the simulator's engine model")
