@@ -141,9 +141,9 @@ class TieredKVStore:
         return not self._by_name[tier].io_reads
 
     @property
-    def memory_capacity(self) -> int | None:
-        """L2's size in bytes, or None without a host-memory tier (no swap then)."""
-        return None if self._memory is None else self._memory.capacity_bytes
+    def memory_tier(self) -> MemoryTier | None:
+        """L2, the host-memory tier, or None (then preemption cannot swap)."""
+        return self._memory
 
     def held_in_memory(self, block_hashes: list[bytes]) -> list[bool]:
         """Whether L2 holds each block (all False without L2)."""

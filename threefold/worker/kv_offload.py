@@ -48,8 +48,6 @@ from threefold.spec.adaptive import StepCostModel
 
 COPY_BANDWIDTH_PRIOR = 2e9
 """Bytes/s assumed for our own pool <-> payload copies before the first is measured."""
-MEMORY_TIER = "cpu"
-"""The host-memory tier (L2): where swapped-out blocks are kept."""
 
 
 def _parts(storage: torch.Tensor | ScaledStorage) -> list[torch.Tensor]:
@@ -213,16 +211,16 @@ class KVOffload:
     def _swap_or_recompute(self, blocks: list[tuple[int, bytes]], num_computed_tokens: int
                            ) -> tuple[str, str, list[bool]]:
         """(action, reason, whether L2 holds each block now) for a preempted request."""
-        capacity = self.store.memory_capacity
-        if capacity is None:
+        memory = self.store.memory_tier
+        if memory is None:
             return "recompute", "no_l2", []
         if not blocks:
             return "recompute", "no_blocks", []
-        if len(blocks) * self.codec.payload_bytes > capacity:
+        if len(blocks) * self.codec.payload_bytes > memory.capacity_bytes:
             return "recompute", "too_large", []
         held = self.store.held_in_memory([h for _, h in blocks])
         out_s = (len(blocks) - sum(held)) * self.codec.payload_bytes / max(self.copy_bandwidth.value, 1.0)
-        swap_s = out_s + self._read_seconds(MEMORY_TIER, len(blocks))
+        swap_s = out_s + self._read_seconds(memory.name, len(blocks))
         recompute_s = self.cost(num_computed_tokens) if self.cost is not None else math.inf
         return ("swap" if swap_s < recompute_s else "recompute"), "cheaper", held
 
