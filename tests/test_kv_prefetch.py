@@ -165,6 +165,24 @@ def test_a_failing_read_falls_back_to_recompute(gated, baseline):
     assert core.offload.store.stats().tiers["gated"].faults["read"] == faults_before + 1
 
 
+def test_loaded_requests_holding_the_pool_do_not_deadlock(gated, baseline):
+    llm, tier = gated
+    engine, core = llm.engine, llm.engine.core
+    engine.add_request("warm-long", prompts()["long"], GREEDY)
+    run(engine)
+    forget_l1(core)
+    tier.gate.clear()
+    # "long" loads 11 blocks and "a" 9: the 20-block pool is all held, and "long" needs one more to run.
+    engine.add_request("long", prompts()["long"], SamplingParams(max_tokens=8, temperature=0))
+    engine.add_request("a", prompts()["a"], SamplingParams(max_tokens=8, temperature=0))
+    engine.step()
+    assert core.kv.pool.num_free_blocks == 0 and len(core.scheduler.loads.loading) == 2
+    tier.gate.set()
+    # The last loaded request lets its (cached) blocks go, "long" runs, then "a" finds them again.
+    assert run(engine) == {"long": baseline["long"], "a": baseline["a"]}
+    assert core.kv.pool.num_free_blocks == core.kv.pool.num_blocks - 1
+
+
 def preempt_by_priority(engine, core) -> None:
     """"a" (low priority) runs; "long" (high) arrives and the pool cannot hold both: "a" is preempted."""
     engine.add_request("a", prompts()["a"], SamplingParams(max_tokens=8, temperature=0), priority=1)
