@@ -37,6 +37,9 @@ class ExternalHit(NamedTuple):
     """True: read already, so loaded with this step; False: to prefetch with start_load first."""
 
 
+NO_HIT = ExternalHit([], True)
+
+
 class ExternalKV(Protocol):
     def fetch(self, request_id: str, block_hashes: list[bytes], num_tokens_after: int) -> ExternalHit:
         """The longest prefix of `block_hashes` worth loading. `num_tokens_after`: tokens the request
@@ -107,6 +110,18 @@ class ExternalLoads:
         self.loading: dict[str, PendingLoad] = {}
         self.loaded: dict[str, dict[str, int]] = {}
         """Waiting requests holding the blocks their load filled -> num_cached_tokens by source."""
+
+    def fetch(self, request: Request, num_local_blocks: int) -> ExternalHit:
+        """The blocks worth loading from the tiers past the local hit. The last token always stays to
+        compute (its logits are needed); prompt logprobs need every position computed."""
+        if not self.kv.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return NO_HIT
+        max_blocks = (request.num_tokens - 1) // self.kv.block_size
+        hashes = request.block_hashes[num_local_blocks:max_blocks]
+        if not hashes:
+            return NO_HIT
+        num_after = request.num_tokens - (num_local_blocks + len(hashes)) * self.kv.block_size
+        return self.external.fetch(request.request_id, hashes, num_after)
 
     def start(self, request: Request, computed_blocks: list[KVCacheBlock], num_hit: int, tiers: list[str]) -> bool:
         """Hold the blocks and start the reads; False (nothing changed) when the pool has no room."""

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 from threefold.config import SchedulerConfig
-from threefold.core.external_kv import ExternalHit, ExternalKV, ExternalLoads, tokens_by_tier
+from threefold.core.external_kv import NO_HIT, ExternalKV, ExternalLoads, tokens_by_tier
 from threefold.core.hybrid import OfflineBudget, StepPredictor, floor_tokens
 from threefold.core.kv_cache_manager import KVCacheManager
 from threefold.core.outputs import (
@@ -309,7 +309,7 @@ class Scheduler:
                     return
                 continue
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
-            hit = self._fetch_external(request, len(computed_blocks))
+            hit = self.loads.fetch(request, len(computed_blocks)) if self.loads is not None else NO_HIT
             if hit.tiers and not hit.ready:  # prefetch from a slow tier; the step goes on without it
                 assert self.loads is not None
                 if not self.loads.start(request, computed_blocks, num_hit, hit.tiers):
@@ -365,19 +365,6 @@ class Scheduler:
         bisect.insort(self.running, request, key=Request.sort_key)
         self._commit(request, num_new, plan)
         return True
-
-    def _fetch_external(self, request: Request, num_local_blocks: int) -> ExternalHit:
-        """The blocks worth loading from the offload store past the local hit (External KV).
-        The last token always stays to compute: its logits are needed."""
-        if (self.external is None or not self.kv.enable_caching
-                or request.sampling_params.prompt_logprobs is not None):
-            return ExternalHit([], True)
-        max_blocks = (request.num_tokens - 1) // self.kv.block_size
-        hashes = request.block_hashes[num_local_blocks:max_blocks]
-        if not hashes:
-            return ExternalHit([], True)
-        num_after = request.num_tokens - (num_local_blocks + len(hashes)) * self.kv.block_size
-        return self.external.fetch(request.request_id, hashes, num_after)
 
     # ---- drafts ------------------------------------------------------------
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
