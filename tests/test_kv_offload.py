@@ -111,6 +111,8 @@ def test_random_aborts_leave_no_leaks(make_llm, tmp_path):
     core = engine.core
     assert core.kv.pool.num_free_blocks == core.kv.pool.num_blocks - 1 and not core.kv.req_to_blocks
     assert not core.offload.staged and not core.scheduler.requests
+    loads = core.scheduler.loads
+    assert not loads.loading and not loads.loaded and core.offload.prefetch.num_pending == 0
     assert core.offload.store.flush(10) and core.offload.store.check_integrity() == []
     assert core.offload.store.stats().tiers["disk"].writes == core.offload.num_stored > 0
     llm.close()

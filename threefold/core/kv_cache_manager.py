@@ -106,6 +106,30 @@ class KVCacheManager:
             self._cache_full_blocks(request, blocks, min(num_computed + num_new_tokens, request.num_tokens))
         return new_blocks
 
+    def allocate_for_load(self, request: Request, computed_blocks: list[KVCacheBlock],
+                          num_external_blocks: int) -> list[KVCacheBlock] | None:
+        """Hold the local hit and `num_external_blocks` new blocks for a prefix read from a KV offload tier
+        in the background; the new ones (returned) are published only by `publish` once they are loaded.
+        None (nothing changed) when the pool cannot hold them."""
+        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_external_blocks > self.pool.num_free_blocks - num_revived:
+            return None
+        self.pool.touch(computed_blocks)
+        new_blocks = self.pool.get_new_blocks(num_external_blocks)
+        self.req_to_blocks[request.request_id] = [*computed_blocks, *new_blocks]
+        return new_blocks
+
+    def publish(self, request: Request, num_tokens: int) -> None:
+        """Publish the request's full blocks up to `num_tokens` (loaded ones: their KV is in this step)."""
+        if self.enable_caching:
+            self._cache_full_blocks(request, self.req_to_blocks[request.request_id], num_tokens)
+
+    def full_blocks(self, request: Request) -> list[tuple[int, bytes]]:
+        """(block_id, hash) of the request's blocks whose every token is computed (what a swap keeps)."""
+        num_full = request.num_computed_tokens // self.block_size
+        blocks = self.req_to_blocks.get(request.request_id, [])[:num_full]
+        return [(b.block_id, h) for b, h in zip(blocks, request.block_hashes[:num_full], strict=False)]
+
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         num_cached = self.num_cached_blocks.get(request.request_id, 0)
         num_full = num_tokens // self.block_size

@@ -45,6 +45,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     blocks_to_load: list[tuple[int, bytes]] = field(default_factory=list)
     """(block_id, block_hash) to fill from the KV offload store before the forward (External KV)."""
+    blocks_to_swap_out: list[tuple[int, bytes]] = field(default_factory=list)
+    """(block_id, block_hash) of preempted requests' blocks to copy to host memory (swap): first of all,
+    before this step's loads or forward can overwrite a block the preemption freed."""
     blocks_to_store: list[tuple[int, bytes]] = field(default_factory=list)
     """(block_id, block_hash) published this step: the runner offloads them after the forward wrote
     them (write-through; a block cached this step is held by its request, so it cannot be reused first)."""

@@ -24,15 +24,17 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    # Everything after PREEMPTED is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    WAITING_FOR_KV = 3
+    """Its prefix is being read from a KV offload tier in the background; it holds the blocks it goes into."""
+    # Everything from FINISHED_STOPPED on is finished.
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
+        return self >= RequestStatus.FINISHED_STOPPED
 
     @property
     def finish_reason(self) -> str | None:

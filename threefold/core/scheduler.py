@@ -6,6 +6,10 @@ pool runs dry the lowest-priority running request (the tail, never one
 already scheduled this step) is preempted by recompute. Waiting requests are
 admitted, prefix-cache hits first skipped, only if nobody was preempted.
 
+With KV offload tiers (External KV, core/external_kv.py), a waiting request whose prefix sits in a slow
+tier waits in `loading` while the reads run in the background; a preempted request's blocks are swapped
+to host memory or dropped for recompute, by cost.
+
 Under the hybrid policy, while offline (batch) requests exist, online work is
 planned first and offline requests only get what threefold/core/hybrid.py's
 OfflineBudget grants; offline requests sort behind every online one, so they
@@ -19,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 from threefold.config import SchedulerConfig
-from threefold.core.external_kv import ExternalKV
+from threefold.core.external_kv import NO_HIT, ExternalKV, ExternalLoads, tokens_by_tier
 from threefold.core.hybrid import OfflineBudget, StepPredictor, floor_tokens
 from threefold.core.kv_cache_manager import KVCacheManager
 from threefold.core.outputs import (
@@ -68,6 +72,7 @@ class _StepPlan:
         self.spec: dict[str, list[int]] = {}
         self.preempted: set[str] = set()
         self.load: list[tuple[int, bytes]] = []
+        self.swap_out: list[tuple[int, bytes]] = []
         self.out_of_blocks = False
         """Running requests were preempted for memory: admit nobody new this step."""
         self.shape = BatchShape()
@@ -85,6 +90,8 @@ class Scheduler:
         self.config = config
         self.external = external
         """The KV offload store (External KV), or None."""
+        self.loads = None if external is None else ExternalLoads(external, kv)
+        """Prefixes being read from the tiers (WAITING_FOR_KV), and requests holding what arrived."""
         self.kv = kv
         self.max_model_len = max_model_len
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -159,8 +166,11 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            queue = self.running if request.status == RequestStatus.RUNNING else self.waiting
-            queue.remove(request)
+            if request.status == RequestStatus.WAITING_FOR_KV:
+                assert self.loads is not None
+                del self.loads.loading[request_id]  # release() below drops the read
+            else:
+                (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
             request.status = status
             self._free(request)
             finished.append(request)
@@ -169,12 +179,14 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self._leave(request)
         self.kv.free(request)
-        if self.external is not None:
-            self.external.release(request.request_id)
+        if self.loads is not None:
+            self.loads.forget(request.request_id)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        if self.loads is not None:  # swap or recompute: the copy-out runs before this step reuses a block
+            plan.swap_out.extend(self.loads.preempt(request))
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -188,6 +200,9 @@ class Scheduler:
     # ---- scheduling --------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(self.config.max_num_batched_tokens)
+        if self.loads is not None and self.loads.loading:
+            for request in self.loads.finish(plan.load):  # back in line, holding the blocks that arrived
+                bisect.insort(self.waiting, request, key=Request.sort_key)
         self._preempt_for_priority(plan)
         if self.hybrid and self.offline_queued_tokens:
             self._schedule_hybrid(plan)
@@ -195,6 +210,8 @@ class Scheduler:
             self._schedule_running(plan)
             if not plan.out_of_blocks:
                 self._schedule_waiting(plan)
+        if self.loads is not None and not plan.num_tokens and not self.running:
+            self.loads.unhold_if_stuck(self.waiting)
         self.last_shape = plan.shape
         finished, self.finished_req_ids = self.finished_req_ids, set()
         loaded = {block_hash for _, block_hash in plan.load}
@@ -205,7 +222,8 @@ class Scheduler:
             num_scheduled_tokens=plan.num_tokens,
             total_num_scheduled_tokens=sum(plan.num_tokens.values()),
             scheduled_spec_token_ids=plan.spec, finished_req_ids=finished,
-            preempted_req_ids=plan.preempted, blocks_to_load=plan.load, blocks_to_store=to_store)
+            preempted_req_ids=plan.preempted, blocks_to_load=plan.load, blocks_to_store=to_store,
+            blocks_to_swap_out=plan.swap_out)
 
     def _schedule_hybrid(self, plan: _StepPlan) -> None:
         """Online first (running, then waiting) in the budget less offline's floor; offline fills the rest."""
@@ -285,57 +303,68 @@ class Scheduler:
             request = self.waiting[0]
             if request.class_rank != rank:
                 return
-            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
-            external = self._fetch_external(request, len(computed_blocks))
-            num_external = len(external) * self.kv.block_size
-            num_resumed = num_hit + num_external
-            num_new = min(request.num_tokens - num_resumed, plan.budget)
-            if plan.offline is not None:
-                # Granted against the state it resumes from (num_resumed computed).
-                computed, request.num_computed_tokens = request.num_computed_tokens, num_resumed
-                num_new = plan.grant(request, num_new)
-                request.num_computed_tokens = computed
-                if num_new <= 0:
+            held = self.loads.loaded.get(request.request_id) if self.loads is not None else None
+            if held is not None:  # its prefix came in from a tier: it holds those blocks already
+                if not self._admit(request, plan, [], request.num_computed_tokens, [], held):
                     return
-            new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks,
-                                                num_lookahead_tokens=self.num_lookahead_tokens,
-                                                num_external_computed_tokens=num_external)
-            if new_blocks is None:
-                return  # what was staged stays staged for the next try
-            self.waiting.pop(0)
-            self.kv.record_lookup(request.num_tokens, num_hit)
+                continue
+            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            hit = self.loads.fetch(request, len(computed_blocks)) if self.loads is not None else NO_HIT
+            if hit.tiers and not hit.ready:  # prefetch from a slow tier; the step goes on without it
+                assert self.loads is not None
+                if not self.loads.start(request, computed_blocks, num_hit, hit.tiers):
+                    return  # no room for its blocks yet
+                self.waiting.pop(0)
+                self.kv.record_lookup(request.num_tokens, num_hit)
+                continue
+            if not self._admit(request, plan, computed_blocks, num_hit, hit.tiers,
+                               tokens_by_tier(num_hit, hit.tiers, self.kv.block_size)):
+                return
+
+    def _admit(self, request: Request, plan: _StepPlan, computed_blocks: list, num_hit: int,
+               external: list[str], by_tier: dict[str, int]) -> bool:
+        """Schedule the head of `waiting` resuming from `num_hit` computed tokens plus `external` blocks
+        loaded this step; False (nothing changed) when the budget or the pool says no."""
+        num_external = len(external) * self.kv.block_size
+        num_resumed = num_hit + num_external
+        num_new = min(request.num_tokens - num_resumed, plan.budget)
+        if plan.offline is not None:
+            # Granted against the state it resumes from (num_resumed computed).
+            computed, request.num_computed_tokens = request.num_computed_tokens, num_resumed
+            num_new = plan.grant(request, num_new)
+            request.num_computed_tokens = computed
+            if num_new <= 0:
+                return False
+        new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks,
+                                            num_lookahead_tokens=self.num_lookahead_tokens,
+                                            num_external_computed_tokens=num_external)
+        if new_blocks is None:
+            return False  # what was staged stays staged for the next try
+        self.waiting.pop(0)
+        if self.loads is None or self.loads.loaded.pop(request.request_id, None) is None:
+            self.kv.record_lookup(request.num_tokens, num_hit)  # (a loaded request was counted at its start)
+        if external:
             start = len(computed_blocks)
             plan.load.extend((block.block_id, request.block_hashes[start + i])
                              for i, block in enumerate(new_blocks[: len(external)]))
-            resumed = request.status == RequestStatus.PREEMPTED
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit + num_external
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.time()
-                request.num_cached_tokens = num_hit + num_external
-                request.cached_tokens_by_tier = _by_tier(num_hit, external, self.kv.block_size)
-            block_ids = self.kv.block_ids(request.request_id)
-            if resumed and request.request_id not in plan.preempted:
-                plan.cached.append(CachedRequestData(request.request_id, block_ids, request.num_computed_tokens,
-                                                     True))
-            else:
-                plan.new.append(NewRequestData(request.request_id, request.all_token_ids,
-                                               request.sampling_params, block_ids, request.num_computed_tokens))
-            bisect.insort(self.running, request, key=Request.sort_key)
-            self._commit(request, num_new, plan)
-
-    def _fetch_external(self, request: Request, num_local_blocks: int) -> list[str]:
-        """Tiers of the blocks staged from the offload store past the local hit (External KV).
-        The last token always stays to compute: its logits are needed."""
-        if (self.external is None or not self.kv.enable_caching
-                or request.sampling_params.prompt_logprobs is not None):
-            return []
-        max_blocks = (request.num_tokens - 1) // self.kv.block_size
-        hashes = request.block_hashes[num_local_blocks:max_blocks]
-        if not hashes:
-            return []
-        num_after = request.num_tokens - (num_local_blocks + len(hashes)) * self.kv.block_size
-        return self.external.fetch(request.request_id, hashes, num_after)
+            assert self.external is not None
+            self.external.commit(request.request_id, len(external))
+        resumed = request.status == RequestStatus.PREEMPTED
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_resumed
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.time()
+            request.num_cached_tokens = num_resumed
+            request.cached_tokens_by_tier = by_tier
+        block_ids = self.kv.block_ids(request.request_id)
+        if resumed and request.request_id not in plan.preempted:
+            plan.cached.append(CachedRequestData(request.request_id, block_ids, request.num_computed_tokens, True))
+        else:
+            plan.new.append(NewRequestData(request.request_id, request.all_token_ids,
+                                           request.sampling_params, block_ids, request.num_computed_tokens))
+        bisect.insort(self.running, request, key=Request.sort_key)
+        self._commit(request, num_new, plan)
+        return True
 
     # ---- drafts ------------------------------------------------------------
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
@@ -407,17 +436,11 @@ class Scheduler:
         return result
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(),
+        num_loading = len(self.loads.loading) if self.loads is not None else 0
+        return SchedulerStats(len(self.running), len(self.waiting) + num_loading, self.kv.usage(),
                               self.kv.stats.queries, self.kv.stats.hits, self.num_preemptions,
                               self.spec_counts[0], self.spec_counts[1], self.spec_counts[2],
                               list(self.spec_accepted_per_pos) or None,
                               sum(r.is_offline for r in self.running), sum(r.is_offline for r in self.waiting),
                               self.offline_tokens_scheduled, self.preemptions_by_class["online"],
                               self.preemptions_by_class["offline"])
-
-
-def _by_tier(num_local: int, external: list[str], block_size: int) -> dict[str, int]:
-    counts = {"pool": num_local} if num_local else {}
-    for tier in external:
-        counts[tier] = counts.get(tier, 0) + block_size
-    return counts

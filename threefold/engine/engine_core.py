@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 HYBRID_PROFILE_TOKENS = (1, 64, 256)
 """Token counts whose forward time calibrates the hybrid step-time predictor (then refitted online)."""
 
+LOAD_WAIT_S = 0.05
+"""How long an engine with nothing to run but prefix reads in flight waits for one before stepping again."""
+
 _DEFAULT_KV_FRACTION = 0.2
 _DEFAULT_KV_CAP = 4 << 30
 
@@ -128,7 +131,9 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            self.runner.execute(sched)  # still drops finished requests' state
+            self.runner.execute(sched)  # still drops finished requests' state and does the block I/O
+            if self.offload is not None and self.scheduler.loads is not None and self.scheduler.loads.loading:
+                self.offload.wait_for_loads(LOAD_WAIT_S)  # nothing else to run: idle until a read is in
             return []
         start = time.perf_counter()
         try:

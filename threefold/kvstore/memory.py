@@ -14,6 +14,7 @@ class MemoryTier(Tier):
 
     name = "cpu"
     framed = False
+    io_reads = False
 
     def __init__(self, capacity_bytes: int) -> None:
         self._capacity = capacity_bytes
@@ -59,6 +60,14 @@ class MemoryTier(Tier):
         """Make a settled block the most recent and say True; False for any other key."""
         with self._lock:
             if key not in self._settled:
+                return False
+            self._blocks.move_to_end(key)
+            return True
+
+    def touch(self, key: bytes) -> bool:
+        """Make a held block the most recent (a swapped-out request's, kept for its resume); False if absent."""
+        with self._lock:
+            if key not in self._blocks:
                 return False
             self._blocks.move_to_end(key)
             return True

@@ -1,9 +1,10 @@
 """The tiered store's counters as Prometheus samples, `threefold:kv_offload_*{tier=...}`.
 
-A pure function of `TieredKVStore.stats()`, plus a collector that calls it at scrape time, so the
-server registers it once and nothing is pushed from the engine thread:
+A pure function of `TieredKVStore.stats()` (and of the engine's prefetch and preemption counters),
+plus a collector that calls them at scrape time, so the server registers it once and nothing is pushed
+from the engine thread:
 
-    registry.register(KVOffloadCollector(store.stats, model_name, block_size))
+    registry.register(KVOffloadCollector(store.stats, model_name, block_size, offload.engine_stats))
 
 Counters keep prometheus' `_total` suffix, as the server's vLLM-named ones do.
 """
@@ -14,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from threefold.kvstore.stats import StoreStats, TierStats
+from threefold.kvstore.stats import EngineOffloadStats, StoreStats, TierStats
 
 PREFIX = "threefold:kv_offload_"
 
@@ -66,11 +67,37 @@ def metric_families(stats: StoreStats, model_name: str, block_size: int) -> list
     return [*families, saved, faults, used, capacity, bandwidth, dropped, pending]
 
 
+def engine_families(stats: EngineOffloadStats, model_name: str) -> list[Metric]:
+    """Preemptions by what they chose and why, swapped blocks, and the background loads."""
+    preemptions = CounterMetricFamily(PREFIX + "preemptions", "Preempted requests by action (swap to host "
+                                      "memory or recompute) and reason.", labels=["model_name", "action", "reason"])
+    for (action, reason), count in sorted(stats.preemptions.items()):
+        preemptions.add_metric([model_name, action, reason], count)
+    families: list[Metric] = [preemptions]
+    for name, doc, value, kind in (
+            ("swapped_blocks", "Blocks kept in host memory for preempted requests.", stats.swapped_blocks,
+             CounterMetricFamily),
+            ("loading_requests", "Requests waiting for their prefix to be read from a tier.",
+             stats.loading_requests, GaugeMetricFamily),
+            ("prefetched_requests", "Requests whose prefix was read in the background.",
+             stats.prefetched_requests, CounterMetricFamily),
+            ("load_fallbacks", "Background loads that brought fewer blocks than planned (rest recomputed).",
+             stats.load_fallbacks, CounterMetricFamily)):
+        family = kind(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([model_name], value)
+        families.append(family)
+    return families
+
+
 class KVOffloadCollector:
     """A prometheus_client collector reading the store's stats at each scrape."""
 
-    def __init__(self, stats: Callable[[], StoreStats], model_name: str, block_size: int) -> None:
+    def __init__(self, stats: Callable[[], StoreStats], model_name: str, block_size: int,
+                 engine_stats: Callable[[], EngineOffloadStats] | None = None) -> None:
         self._stats, self._model_name, self._block_size = stats, model_name, block_size
+        self._engine_stats = engine_stats
 
     def collect(self) -> Iterator[Metric]:
         yield from metric_families(self._stats(), self._model_name, self._block_size)
+        if self._engine_stats is not None:
+            yield from engine_families(self._engine_stats(), self._model_name)

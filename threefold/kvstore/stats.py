@@ -82,6 +82,10 @@ class StatsBook:
         with self._lock:
             self.dropped_writes += 1
 
+    def set_bandwidth(self, tier: str, bytes_per_second: float) -> None:
+        with self._lock:
+            self._tiers[tier].bandwidth = bytes_per_second
+
     def bandwidth(self, tier: str) -> float:
         with self._lock:
             return self._tiers[tier].bandwidth
@@ -91,3 +95,33 @@ class StatsBook:
             tiers = {name: replace(s, faults=dict(s.faults), used_bytes=sizes[name][0],
                                    capacity_bytes=sizes[name][1]) for name, s in self._tiers.items()}
             return StoreStats(tiers, self.dropped_writes, pending)
+
+
+class BandwidthMeter:
+    """Bytes/s of a repeated copy, as an EMA of measured ones (the engine's pool <-> payload copies)."""
+
+    def __init__(self, prior: float) -> None:
+        self.value = prior
+
+    def observe(self, num_bytes: int, seconds: float) -> None:
+        if num_bytes >= MIN_SAMPLE_BYTES and seconds > 0:
+            self.value += BANDWIDTH_EMA * (num_bytes / seconds - self.value)
+
+
+@dataclass
+class EngineOffloadStats:
+    """The engine's side of the tiers: prefetches, and what preemption chose (a snapshot)."""
+
+    preemptions: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(action, reason) -> preempted requests. action: swap | recompute; reason: cheaper (the cost rule
+    chose it), no_l2 (no host-memory tier), no_blocks (no full computed block to keep), too_large (more
+    than L2 holds)."""
+    swapped_blocks: int = 0
+    """Blocks kept in L2 for preempted requests (copied out, or already there and refreshed)."""
+    loading_requests: int = 0
+    """Requests waiting for their prefix to be read from a tier now."""
+    prefetched_requests: int = 0
+    """Requests whose prefix was read in the background (finished loads)."""
+    load_fallbacks: int = 0
+    """Of those, loads that brought fewer blocks than planned (a failed, evicted or corrupt block):
+    the rest was recomputed."""

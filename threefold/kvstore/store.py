@@ -57,6 +57,7 @@ class TieredKVStore:
         self.tiers = build_tiers(config) if tiers is None else tiers
         first = self.tiers[0] if self.tiers else None
         self._memory = first if isinstance(first, MemoryTier) else None
+        self._by_name = {tier.name: tier for tier in self.tiers}
         self._book = StatsBook([tier.name for tier in self.tiers])
         self._max_pending_bytes = max_pending_bytes
         self._queue: deque[tuple[bytes, bytes, list[Tier]]] = deque()
@@ -129,6 +130,37 @@ class TieredKVStore:
         load-or-recompute cost model weighs a block's bytes by this. It times the store's part (read,
         checksum, copy out); L2's is a dictionary lookup, so the engine adds its own copy into the pool."""
         return self._book.bandwidth(tier)
+
+    def set_bandwidth(self, tier: str, bytes_per_second: float) -> None:
+        """Replace a tier's bandwidth estimate (an operator who knows the link, a test); later reads
+        move it as before."""
+        self._book.set_bandwidth(tier, bytes_per_second)
+
+    def reads_inline(self, tier: str) -> bool:
+        """Whether reading from `tier` is in-process (host memory): cheap enough to do in the step."""
+        return not self._by_name[tier].io_reads
+
+    @property
+    def memory_tier(self) -> MemoryTier | None:
+        """L2, the host-memory tier, or None (then preemption cannot swap)."""
+        return self._memory
+
+    def held_in_memory(self, block_hashes: list[bytes]) -> list[bool]:
+        """Whether L2 holds each block (all False without L2)."""
+        if self._memory is None:
+            return [False] * len(block_hashes)
+        return self._memory.contains_many([self.namespace.key(h) for h in block_hashes])
+
+    def hold(self, block_hash: bytes, payload: bytes | None = None) -> bool:
+        """Keep a block in L2, most recent first, for a swapped-out request's resume: refresh it if held,
+        else store `payload` there (L2 only: the tiers below were written through when it filled).
+        False without L2, or when it is neither held nor given."""
+        if self._memory is None:
+            return False
+        key = self.namespace.key(block_hash)
+        if self._memory.touch(key):
+            return True
+        return payload is not None and self._put_one(self._memory, key, payload, None)
 
     def stats(self) -> StoreStats:
         sizes = {tier.name: (tier.used_bytes, tier.capacity_bytes) for tier in self.tiers}

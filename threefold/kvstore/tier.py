@@ -31,6 +31,9 @@ class Tier(ABC):
     """"cpu", "disk" or "redis": the label in stats, metrics and lookup results."""
     framed: bool = True
     """Whether values are stored as verified frames (frame.py). Only in-process memory is trusted as is."""
+    io_reads: bool = True
+    """Whether a read waits on a device or the network: the engine then prefetches it on a background
+    thread while its steps go on. In-process memory is read inline."""
 
     @abstractmethod
     def get(self, key: bytes) -> bytes | None: ...

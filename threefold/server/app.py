@@ -154,7 +154,8 @@ def make_state(engine: Any, config: ServerConfig) -> ServerState:
     if offload is not None:  # threefold:kv_offload_* per tier, read from the store at each scrape
         from threefold.kvstore.metrics import KVOffloadCollector
 
-        metrics.registry.register(KVOffloadCollector(offload.store.stats, config.model_name, offload.block_size))
+        metrics.registry.register(KVOffloadCollector(offload.store.stats, config.model_name, offload.block_size,
+                                                      offload.engine_stats))
     ledger = build_ledger(engine, config.cost_per_hour)
     loggers = [metrics] + ([LedgerRecorder(ledger, metrics.registry, config.model_name)] if ledger else [])
     async_engine = AsyncEngine(engine, stat_loggers=loggers).start()

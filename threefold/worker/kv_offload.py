@@ -1,7 +1,12 @@
-"""The engine's side of the KV offload tiers: blocks <-> bytes, write-through, load-or-recompute.
+"""The engine's side of the KV offload tiers: blocks <-> bytes, write-through, load-or-recompute,
+prefetch, and swap-or-recompute preemption.
 
-    schedule:  Scheduler ──fetch(hashes)──► KVOffload: store.lookup, cost model, store.get → staged bytes
-    execute:   runner ──load(blocks_to_load)──► staged bytes → pool blocks   (before the forward)
+    schedule:  Scheduler ──fetch(hashes)──► KVOffload: store.lookup, cost model ─┬─ host memory: read now
+                                                                                └─ disk/Redis: prefetch
+               Scheduler ──poll_loads()──► prefetched reads that came in (their request is admitted)
+               Scheduler ──preempt(blocks)──► swap (keep them in L2) or recompute, by cost
+    execute:   runner ──swap_out(blocks)──► pool blocks → bytes → L2   (first: the step may reuse them)
+               runner ──load(blocks_to_load)──► read bytes → pool blocks   (before the forward)
                runner ──store(blocks_to_store)──► pool blocks → bytes → store.put   (after the forward)
 
 When blocks are stored: write-through, as each full block is published (after the forward that wrote
@@ -9,23 +14,40 @@ it), not on eviction. Persistence across restarts (L3) and sharing across instan
 below L1 while its owner is still alive; a demote-on-evict store would lose every block of a crashed
 or restarted engine, and another instance could not see a prefix until the first evicted it. The
 cost is one device-to-host copy per new block (one batched gather per step) and an async write;
-the store dedupes blocks it already holds. A preempted request's full blocks are therefore already
-in the store when it resumes, and the same cost model chooses loading them (swap) or recomputing.
+the store dedupes blocks it already holds.
 
-Load or recompute, per request: loading block i costs its bytes over its tier's measured bandwidth;
-recomputing the prefix costs the step-cost model's time for those tokens on top of the tokens
-computed anyway. The prefix is cut before the first block whose tier makes loading slower.
+Load or recompute, per request: loading block i costs its bytes over its tier's measured bandwidth
+plus our own copy into the pool; recomputing the prefix costs the step-cost model's time for those
+tokens on top of the tokens computed anyway. The prefix is cut before the first block whose tier makes
+loading slower. Blocks held in host memory are read inline; any block on disk or in Redis sends the
+request to wait in WAITING_FOR_KV while background threads read them (core/external_kv.py).
+
+Swap or recompute, per preempted request (vLLM only recomputes): its full computed blocks are already
+written through, but L2 may have evicted some. Swapping keeps them all in L2 (refresh the held ones,
+copy out the rest): out costs the missing bytes over our copy bandwidth, back in costs all the bytes
+over L2's read bandwidth plus our copy; recomputing costs a forward over its computed tokens. Its
+partial last block is always recomputed (fewer than block_size tokens, and it has no hash to find it
+by). Either way it resumes through admission, which loads what the tiers still hold if that is cheaper.
 """
 
 from __future__ import annotations
 
+import math
+import time
+
 import torch
 
+from threefold.core.external_kv import ExternalHit
 from threefold.kv.codec import KVCodec
 from threefold.kv.codecs.scaled import ScaledStorage
 from threefold.kv.paged import PagedKVCache
 from threefold.kvstore import TieredKVStore
+from threefold.kvstore.prefetch import Prefetcher, StagedBlock
+from threefold.kvstore.stats import BandwidthMeter, EngineOffloadStats
 from threefold.spec.adaptive import StepCostModel
+
+COPY_BANDWIDTH_PRIOR = 2e9
+"""Bytes/s assumed for our own pool <-> payload copies before the first is measured."""
 
 
 def _parts(storage: torch.Tensor | ScaledStorage) -> list[torch.Tensor]:
@@ -100,37 +122,73 @@ class BlockCodec:
 
 
 class KVOffload:
-    """The scheduler's ExternalKV and the runner's load/store, over one TieredKVStore."""
+    """The scheduler's ExternalKV and the runner's block I/O, over one TieredKVStore."""
 
     def __init__(self, store: TieredKVStore, codec: BlockCodec, block_size: int) -> None:
         self.store, self.codec, self.block_size = store, codec, block_size
         self.cost: StepCostModel | None = None
         """Measured forward time by tokens (None until the first step: loading is then assumed cheaper)."""
-        self.staged: dict[str, list[tuple[bytes, str, bytes]]] = {}
-        """request id -> (block hash, tier, payload) fetched for it, not yet loaded."""
+        self.prefetch = Prefetcher(store, codec.payload_bytes)
+        self.staged: dict[str, list[StagedBlock]] = {}
+        """request id -> blocks read for it, not yet committed to a step's loads."""
+        self.to_copy: dict[bytes, bytes] = {}
+        """block hash -> payload, committed to this step's blocks_to_load."""
+        self.copy_bandwidth = BandwidthMeter(COPY_BANDWIDTH_PRIOR)
+        """Bytes/s of our own pool <-> payload copies (encode and decode_into), measured."""
         self.num_loaded = 0
         self.num_stored = 0
         self.num_load_rejected = 0
         """Blocks the cost model chose to recompute although a tier held them."""
+        self.counts = EngineOffloadStats()
 
     # ---- ExternalKV (the scheduler's calls) --------------------------------------
-    def fetch(self, request_id: str, block_hashes: list[bytes], num_tokens_after: int) -> list[str]:
+    def fetch(self, request_id: str, block_hashes: list[bytes], num_tokens_after: int) -> ExternalHit:
         staged = self.staged.get(request_id, [])
         if staged and [h for h, _, _ in staged] == block_hashes[: len(staged)]:
-            return [tier for _, tier, _ in staged]  # a retry after no room: fetched already
+            return ExternalHit([tier for _, tier, _ in staged], True)  # a retry after no room: read already
         tiers = self._worth_loading(self.store.lookup(block_hashes), num_tokens_after)
-        staged = []
-        for block_hash in block_hashes[: len(tiers)]:
-            got = self.store.get(block_hash)
-            if got is None or len(got[1]) != self.codec.payload_bytes:
-                break  # evicted or corrupt since the lookup: recompute from here
-            staged.append((block_hash, got[0], got[1]))
+        if not all(self.store.reads_inline(tier) for tier in tiers):
+            return ExternalHit(tiers, False)
+        staged = self.prefetch.read_prefix(block_hashes[: len(tiers)])
         if staged:
             self.staged[request_id] = staged
-        return [tier for _, tier, _ in staged]
+        return ExternalHit([tier for _, tier, _ in staged], True)
+
+    def start_load(self, request_id: str, block_hashes: list[bytes]) -> None:
+        self.prefetch.submit(request_id, block_hashes)
+
+    def poll_loads(self) -> dict[str, list[str]]:
+        arrived = {}
+        for request_id, (blocks, num_wanted) in self.prefetch.finished().items():
+            self.staged[request_id] = blocks
+            arrived[request_id] = [tier for _, tier, _ in blocks]
+            self.counts.prefetched_requests += 1
+            self.counts.load_fallbacks += len(blocks) < num_wanted
+        return arrived
+
+    def wait_for_loads(self, timeout: float) -> None:
+        self.prefetch.wait(timeout)
+
+    def commit(self, request_id: str, num_blocks: int) -> None:
+        for block_hash, _, payload in self.staged.pop(request_id, [])[:num_blocks]:
+            self.to_copy[block_hash] = payload
 
     def release(self, request_id: str) -> None:
         self.staged.pop(request_id, None)
+        self.prefetch.cancel(request_id)
+
+    def preempt(self, request_id: str, blocks: list[tuple[int, bytes]], num_computed_tokens: int
+                ) -> list[tuple[int, bytes]]:
+        action, reason, held = self._swap_or_recompute(blocks, num_computed_tokens)
+        key = (action, reason)
+        self.counts.preemptions[key] = self.counts.preemptions.get(key, 0) + 1
+        if action != "swap":
+            return []
+        self.counts.swapped_blocks += len(blocks)
+        # Refresh what L2 holds now (it may still evict one before the copy-outs land: then that one is
+        # recomputed or found below); copy out the rest before the step reuses their pool blocks.
+        return [block for block, was_held in zip(blocks, held, strict=True)
+                if not (was_held and self.store.hold(block[1]))]
 
     def _worth_loading(self, tiers: list[str], num_tokens_after: int) -> list[str]:
         if self.cost is None or not tiers:
@@ -138,28 +196,63 @@ class KVOffload:
         base = self.cost(num_tokens_after)
         load_s = 0.0
         for i, tier in enumerate(tiers):
-            load_s += self.codec.payload_bytes / max(self.store.bandwidth(tier), 1.0)
+            load_s += self._read_seconds(tier, 1)
             recompute_s = self.cost(num_tokens_after + (i + 1) * self.block_size) - base
             if load_s > recompute_s:
                 self.num_load_rejected += len(tiers) - i
                 return tiers[:i]
         return tiers
 
+    def _read_seconds(self, tier: str, num_blocks: int) -> float:
+        """Reading blocks from a tier and copying them into the pool."""
+        num_bytes = num_blocks * self.codec.payload_bytes
+        return num_bytes / max(self.store.bandwidth(tier), 1.0) + num_bytes / max(self.copy_bandwidth.value, 1.0)
+
+    def _swap_or_recompute(self, blocks: list[tuple[int, bytes]], num_computed_tokens: int
+                           ) -> tuple[str, str, list[bool]]:
+        """(action, reason, whether L2 holds each block now) for a preempted request."""
+        memory = self.store.memory_tier
+        if memory is None:
+            return "recompute", "no_l2", []
+        if not blocks:
+            return "recompute", "no_blocks", []
+        if len(blocks) * self.codec.payload_bytes > memory.capacity_bytes:
+            return "recompute", "too_large", []
+        held = self.store.held_in_memory([h for _, h in blocks])
+        out_s = (len(blocks) - sum(held)) * self.codec.payload_bytes / max(self.copy_bandwidth.value, 1.0)
+        swap_s = out_s + self._read_seconds(memory.name, len(blocks))
+        recompute_s = self.cost(num_computed_tokens) if self.cost is not None else math.inf
+        return ("swap" if swap_s < recompute_s else "recompute"), "cheaper", held
+
     # ---- the runner's calls ------------------------------------------------------
-    def load(self, blocks: list[tuple[int, bytes]], request_ids: list[str]) -> None:
-        """Fill the scheduled loads' pool blocks from the staged payloads (before the forward)."""
+    def swap_out(self, blocks: list[tuple[int, bytes]]) -> None:
+        """Copy preempted requests' blocks to L2 (first in the step: their pool blocks may be reused)."""
         if not blocks:
             return
-        payloads = {h: p for rid in request_ids for h, _, p in self.staged.pop(rid, [])}
-        for block_id, block_hash in blocks:
-            self.codec.decode_into(block_id, payloads[block_hash])
-        self.num_loaded += len(blocks)
+        start = time.perf_counter()
+        payloads = self.codec.encode([b for b, _ in blocks])
+        self.copy_bandwidth.observe(len(blocks) * self.codec.payload_bytes, time.perf_counter() - start)
+        for (_, block_hash), payload in zip(blocks, payloads, strict=True):
+            self.store.hold(block_hash, payload)
+
+    def load(self, blocks: list[tuple[int, bytes]]) -> None:
+        """Fill this step's loads' pool blocks from the committed payloads (before the forward)."""
+        if blocks:
+            start = time.perf_counter()
+            for block_id, block_hash in blocks:
+                self.codec.decode_into(block_id, self.to_copy[block_hash])
+            self.copy_bandwidth.observe(len(blocks) * self.codec.payload_bytes, time.perf_counter() - start)
+            self.num_loaded += len(blocks)
+        self.to_copy.clear()
 
     def store_blocks(self, blocks: list[tuple[int, bytes]]) -> None:
         """Write-through of the blocks published this step (after the forward wrote them)."""
         if not blocks:
             return
-        for (_, block_hash), payload in zip(blocks, self.codec.encode([b for b, _ in blocks]), strict=True):
+        start = time.perf_counter()
+        payloads = self.codec.encode([b for b, _ in blocks])
+        self.copy_bandwidth.observe(len(blocks) * self.codec.payload_bytes, time.perf_counter() - start)
+        for (_, block_hash), payload in zip(blocks, payloads, strict=True):
             self.store.put(block_hash, payload)
         self.num_stored += len(blocks)
 
@@ -169,6 +262,12 @@ class KVOffload:
         else:
             self.cost.observe(num_tokens, seconds)
 
-    def close(self) -> None:
-        self.store.close()
+    def engine_stats(self) -> EngineOffloadStats:
+        """A snapshot for /metrics (read from the server's thread)."""
+        counts = self.counts
+        return EngineOffloadStats(dict(counts.preemptions), counts.swapped_blocks, self.prefetch.num_pending,
+                                  counts.prefetched_requests, counts.load_fallbacks)
 
+    def close(self) -> None:
+        self.prefetch.close()
+        self.store.close()

@@ -85,6 +85,11 @@ class ModelRunner:
         if self.spec is not None:
             for request_id in sched.finished_req_ids | sched.preempted_req_ids:
                 self.spec.remove(request_id)
+        if self.offload is not None:
+            # Swap-outs first (a preempted request's freed blocks may be reused this step), then External
+            # KV loads into the pool before the forward reads them; even in a step that computes nothing.
+            self.offload.swap_out(sched.blocks_to_swap_out)
+            self.offload.load(sched.blocks_to_load)
         if sched.is_empty:
             return ModelRunnerOutput({})
         states = [self.requests.states[rid] for rid in sched.num_scheduled_tokens]
@@ -93,8 +98,6 @@ class ModelRunner:
                             native_decode=self.kernels is not None)
         assert self.kv_cache is not None, "initialize_kv_cache() before execute()"
         attention = self._attention(batch)
-        if self.offload is not None:  # External KV: staged blocks go into the pool before the forward reads them
-            self.offload.load(sched.blocks_to_load, list(sched.num_scheduled_tokens))
         start, computed_before = time.perf_counter(), {s.request_id: s.num_computed_tokens for s in batch.order}
         hidden = self.model(batch.input_ids, batch.positions, attention)
         if self.offload is not None:
