@@ -92,10 +92,11 @@ class Bench:
 
     def load_args(self, base_url: str, label: str, turns: int, concurrency: int) -> argparse.Namespace:
         ns, parser = self.ns, argparse.ArgumentParser()
+        users = ns.users if turns > 1 else ns.first_turn_users
         add_serve_args(parser)
         return parser.parse_args([
             "--base-url", base_url, "--model", MODEL, "--label", label, "--dataset", "sharegpt-sessions",
-            "--num-prompts", str(ns.users), "--min-turns", str(turns), "--max-turns", str(turns),
+            "--num-prompts", str(users), "--min-turns", str(turns), "--max-turns", str(turns),
             "--session-context-len", str(ns.context), "--max-total-len", str(self.max_model_len),
             "--max-prompt-len", "1024", "--max-output-len", str(ns.max_output_len), "--ignore-eos",
             "--think-time", str(ns.think_time), "--max-concurrency", str(concurrency), "--seed", str(ns.seed),
@@ -218,6 +219,7 @@ def main() -> None:
                         help="sessions runs (comma-separated labels)")
     parser.add_argument("--users", type=int, default=8, help="sessions (users)")
     parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--first-turn-users", type=int, default=6, help="first turns played by restart, cross")
     parser.add_argument("--context", type=int, default=2048, help="each session's document, tokens")
     parser.add_argument("--max-output-len", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=2, help="requests in flight (sessions part)")
