@@ -201,13 +201,13 @@ def _rates(rates: dict | None) -> str:
 def print_tables(bench: Bench) -> None:
     for doc in bench.rows.get("sessions", []):
         later = doc["summary"]["later_turns"]
-        print(f"| {doc['label']} | {later['completed']} | {later['mean_prompt_tokens']:.0f} | "
+        print(f"| {doc['label']} | {later['completed']} | {later['mean_prompt_tokens'] or 0:.0f} | "
               f"{_ms(later['ttft'], 'p50')} | {_ms(later['ttft'], 'p99')} | {_rates(later['tier_hit_rates'])} | "
               f"{doc['summary']['failed']} |")
     for doc in bench.rows.get("restart", []) + bench.rows.get("cross", []):
         summary = doc["summary"]
         turn = summary["per_turn"][0]
-        print(f"| {doc['label']} | {turn['completed']} | {turn['mean_prompt_tokens']:.0f} | "
+        print(f"| {doc['label']} | {turn['completed']} | {turn['mean_prompt_tokens'] or 0:.0f} | "
               f"{_ms(turn['ttft'], 'p50')} | {_ms(turn['ttft'], 'p99')} | "
               f"{_rates(summary['tier_hit_rates'])} | {doc['offload_metrics']} | {summary['failed']} |")
 
