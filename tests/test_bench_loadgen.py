@@ -37,6 +37,8 @@ class FakeSpec:
     send_usage: bool = True
     prompt_tokens: int = 11
     cached_tokens: int = 3
+    cached_by_tier: dict[str, int] | None = None
+    """Sent as usage.prompt_tokens_details.cached_tokens_by_tier (threefold's KV tiers) when set."""
     fail_status: Callable[[int, dict], int | None] = lambda index, body: None
     """Status code to fail request `index` with, or None to answer it."""
     ttft_for: Callable[[int], float] | None = None
@@ -91,8 +93,10 @@ class FakeServer:
             seen.chunk_times.append(time.perf_counter())
             sent += k
         if spec.send_usage:
-            usage = {"prompt_tokens": spec.prompt_tokens, "completion_tokens": n,
-                     "prompt_tokens_details": {"cached_tokens": spec.cached_tokens}}
+            details: dict = {"cached_tokens": spec.cached_tokens}
+            if spec.cached_by_tier is not None:
+                details["cached_tokens_by_tier"] = spec.cached_by_tier
+            usage = {"prompt_tokens": spec.prompt_tokens, "completion_tokens": n, "prompt_tokens_details": details}
             writer.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
         if spec.send_done:
             writer.write(b"data: [DONE]\n\n")
@@ -314,6 +318,25 @@ def test_sessions_resend_history_with_the_servers_replies(fake):
     s = summarize(results, duration)
     assert [row["turn"] for row in s["per_turn"]] == [0, 1, 2]
     assert all(row["completed"] == 3 for row in s["per_turn"])
+
+
+def test_a_session_document_opens_every_turn_and_later_turns_count_tier_hits(fake):
+    fake.spec = FakeSpec(ttft=0.01, itl=0.005, num_tokens=2, prompt_tokens=100, cached_tokens=80,
+                         cached_by_tier={"pool": 20, "disk": 60})
+    sessions = [Session(f"s{i}", [f"s{i} q{t}" for t in range(3)], [2] * 3, [5] * 3, f"doc {i}", 90)
+                for i in range(2)]
+    results, duration, _ = asyncio.run(run_sessions(sessions, _cfg(fake)))
+    assert len(fake.seen) == 6
+    for seen in fake.seen:
+        first = seen.body["messages"][0]
+        assert first["role"] == "system" and first["content"] == f"doc {seen.body['messages'][1]['content'][1]}"
+    assert sorted(r.prompt_len for r in results) == [95] * 2 + [102] * 2 + [109] * 2  # doc + turns + replies
+    later = summarize(results, duration)["later_turns"]
+    assert later["completed"] == 4 and later["ttft"] is not None
+    assert later["tier_hit_rates"] == {"disk": 0.6, "pool": 0.2}
+    fake.spec = FakeSpec(ttft=0.01, itl=0.005, num_tokens=2, prompt_tokens=100, cached_tokens=80)
+    results, duration, _ = asyncio.run(run_sessions(sessions[:1], _cfg(fake)))
+    assert summarize(results, duration)["later_turns"]["tier_hit_rates"] == {"pool": 0.8}  # no split: all L1
 
 
 def test_a_failed_turn_ends_its_session(fake):

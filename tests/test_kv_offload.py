@@ -11,9 +11,11 @@ import torch
 
 from threefold.kv.paged import PagedKVCache
 from threefold.kv.registry import make_codec
-from threefold.kvstore import OffloadConfig
+from threefold.kvstore import OffloadConfig, TieredKVStore
+from threefold.kvstore.keys import Namespace
 from threefold.sample.params import SamplingParams
-from threefold.worker.kv_offload import BlockCodec
+from threefold.spec.adaptive import StepCostModel
+from threefold.worker.kv_offload import BlockCodec, KVOffload
 
 BLOCK_BYTES_FP32 = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads of 64, fp32
 POOL = {"max_model_len": 512, "kv_cache_memory": 40 * BLOCK_BYTES_FP32}  # 40 blocks: fewer than 4 sessions need
@@ -94,6 +96,19 @@ def test_block_codec_round_trip_dense_exact_and_int8_bounded():
         assert torch.allclose(cache.layers[layer][0, 3], rk, atol=1e-6)  # exactly the codec's own round trip
         assert torch.allclose(cache.layers[layer][1, 3], rv, atol=1e-6)
         assert not torch.equal(cache.layers[layer][0, 3], k)
+
+
+def test_load_or_recompute_takes_the_best_prefix_past_a_flat_stretch_of_the_step_cost():
+    dense = make_codec("auto", 3, 64, torch.float32)
+    codec = BlockCodec(PagedKVCache(dense, 30, 4, 16, torch.device("cpu")), dense)  # SmolLM2's 720 KiB blocks
+    with TieredKVStore(OffloadConfig(cpu_bytes=1 << 20), Namespace("m", "auto", 16)) as store:
+        offload = KVOffload(store, codec, 16)
+        # One slow 64-token step (a busy machine): the running maximum is flat from 64 to 1000 tokens, so the
+        # first blocks past 80 computed tokens look free to recompute, the 2,000 tokens after them do not.
+        offload.cost = StepCostModel({2: 0.03, 64: 0.5, 96: 0.1, 1000: 0.5, 3000: 6.0})
+        assert offload._worth_loading(["cpu"] * 130, 80) == ["cpu"] * 130
+        assert offload._worth_loading(["cpu"] * 20, 80) == []  # all within the flat stretch: recompute
+        assert offload.num_load_rejected == 20
 
 
 def test_random_aborts_leave_no_leaks(make_llm, tmp_path):

@@ -36,6 +36,8 @@ class RequestResult:
     output_tokens: int = 0
     """usage.completion_tokens, or the number of text chunks when no usage came."""
     cached_tokens: int | None = None
+    cached_tokens_by_tier: dict[str, int] | None = None
+    """usage.prompt_tokens_details.cached_tokens_by_tier (threefold's KV tiers: pool, cpu, disk, redis)."""
     text: str = ""
     prompt_len: int = 0
     """The benchmark's own count of the prompt (for throughput when usage is missing)."""
@@ -68,6 +70,8 @@ def _apply_usage(result: RequestResult, usage: dict) -> None:
     details = usage.get("prompt_tokens_details") or {}
     if details.get("cached_tokens") is not None:
         result.cached_tokens = details["cached_tokens"]
+    if isinstance(details.get("cached_tokens_by_tier"), dict):
+        result.cached_tokens_by_tier = {str(k): int(v) for k, v in details["cached_tokens_by_tier"].items()}
 
 
 def _finish_reason(chunk: dict) -> str | None:

@@ -4,7 +4,10 @@
              first assistant reply (capped), as in vLLM's serving benchmark.
 `sharegpt-sessions`  whole conversations, turn by turn: the load generator
              resends the history with the server's own replies, so later
-             turns share a growing prefix with earlier ones.
+             turns share a growing prefix with earlier ones. With a
+             `context_len`, each session opens with its own long document
+             (a system message cut from other ShareGPT replies), as in chat
+             over a file: later turns then re-read thousands of tokens.
 `humaneval`  code-completion prompts; max_tokens = canonical solution length.
 `random`     fixed input/output lengths, random token ids or words (sweeps).
 
@@ -13,6 +16,7 @@ Lengths are counted with the model's tokenizer (see bench/tokenizer.py).
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import importlib.util
 import json
@@ -76,6 +80,10 @@ class Session:
     max_tokens: list[int]
     """Per turn: the dataset's assistant reply length, capped."""
     user_lens: list[int] = field(default_factory=list)
+    system: str = ""
+    """A system message sent before the first turn ("" = none): the session's long document."""
+    system_len: int = 0
+    """Tokens in `system` by the benchmark's tokenizer."""
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -121,9 +129,9 @@ def load_sharegpt(num: int, tokenizer: PreTrainedTokenizerBase, limits: LengthLi
 
 
 def _session_from(record: dict, tokenizer: PreTrainedTokenizerBase, limits: LengthLimits,
-                  max_turns: int) -> Session:
+                  max_turns: int, context_len: int = 0) -> Session:
     """Keep turns while the whole conversation (with capped replies) fits max_total_len."""
-    turns, outs, lens, total = [], [], [], 0
+    turns, outs, lens, total = [], [], [], context_len + (CHAT_TEMPLATE_OVERHEAD if context_len else 0)
     for user, reply in dialogue(record)[:max_turns]:
         user_len = _num_tokens(tokenizer, user, limits.max_prompt_len + 1)
         out_len = _num_tokens(tokenizer, reply, limits.max_output_len)
@@ -136,16 +144,49 @@ def _session_from(record: dict, tokenizer: PreTrainedTokenizerBase, limits: Leng
     return Session(record["id"], turns, outs, lens)
 
 
+DOCUMENT_HEADER = "Answer the user's questions. Here is a document they may ask about:\n\n"
+
+
+class _Documents:
+    """Distinct documents of exactly `num_tokens` tokens, cut from the replies of conversations the
+    sessions do not use (the other split's records, in a seed-determined order)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, num_tokens: int, seed: int, split: str,
+                 path: str | None) -> None:
+        other = "train" if split == "test" else "test"
+        self._records = open_sharegpt(path).iter_records(other, seed + 1)
+        self.tokenizer, self.num_tokens = tokenizer, num_tokens
+
+    def next(self) -> str:
+        header = _encode(self.tokenizer, DOCUMENT_HEADER)
+        ids = list(header)
+        while len(ids) < self.num_tokens:
+            record = next(self._records, None)
+            if record is None:
+                raise ThreefoldError("ShareGPT ran out of text for session documents; lower --session-context-len",
+                                     param="session_context_len")
+            for _, reply in dialogue(record):
+                ids.extend(_encode(self.tokenizer, reply + "\n\n"))
+        return _decode(self.tokenizer, ids[: self.num_tokens])
+
+
 def load_sharegpt_sessions(num: int, tokenizer: PreTrainedTokenizerBase, limits: LengthLimits,
                            seed: int = 0, min_turns: int = 2, max_turns: int = 8,
-                           split: str = "test", path: str | None = None) -> list[Session]:
-    """`num` conversations with at least `min_turns` turns that fit the context budget."""
+                           split: str = "test", path: str | None = None, context_len: int = 0) -> list[Session]:
+    """`num` conversations with at least `min_turns` turns that fit the context budget; with
+    `context_len` > 0 each opens with its own document of that many tokens (a system message)."""
+    if context_len < 0 or context_len >= limits.max_total_len:
+        raise ThreefoldError(f"--session-context-len {context_len} must be in [0, --max-total-len "
+                             f"{limits.max_total_len})", param="session_context_len")
+    documents = _Documents(tokenizer, context_len, seed, split, path) if context_len else None
     sessions: list[Session] = []
     for record in open_sharegpt(path).iter_records(split, seed):
         if len(dialogue(record)) < min_turns:
             continue
-        session = _session_from(record, tokenizer, limits, max_turns)
+        session = _session_from(record, tokenizer, limits, max_turns, context_len)
         if len(session.user_turns) >= min_turns:
+            if documents is not None:
+                session = dataclasses.replace(session, system=documents.next(), system_len=context_len)
             sessions.append(session)
             if len(sessions) == num:
                 return sessions

@@ -102,12 +102,12 @@ class _Runner:
         """Play one conversation; a failed turn ends it (its later turns are skipped)."""
         cfg, results = self.cfg, []
         rng = random.Random(cfg.seed * 1_000_003 + index)
-        messages: list[dict] = []
+        messages: list[dict] = [{"role": "system", "content": session.system}] if session.system else []
         for turn, user in enumerate(session.user_turns):
             messages.append({"role": "user", "content": user})
             body = chat_body(cfg.model, list(messages), session.max_tokens[turn], cfg.ignore_eos, cfg.temperature,
                              cfg.logit_bias)
-            prompt_len = sum(session.user_lens[: turn + 1]) + sum(session.max_tokens[:turn])
+            prompt_len = session.system_len + sum(session.user_lens[: turn + 1]) + sum(session.max_tokens[:turn])
             result = RequestResult(prompt_len=prompt_len, turn=turn, session_id=session.session_id)
             results.append(await self.send("chat", body, result))
             if not result.ok:

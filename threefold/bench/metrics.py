@@ -70,6 +70,37 @@ def _errors(results: list[RequestResult]) -> dict[str, int]:
     return dict(Counter((r.error or "unknown")[:80] for r in results if not r.ok))
 
 
+def tier_tokens(result: RequestResult) -> dict[str, int]:
+    """Cached prompt tokens by where they came from: the server's own split when it gives one
+    (threefold's KV tiers), else all of them from its prefix cache ("pool", i.e. L1)."""
+    if result.cached_tokens_by_tier is not None:
+        return dict(result.cached_tokens_by_tier)
+    return {"pool": result.cached_tokens} if result.cached_tokens else {}
+
+
+def tier_hit_rates(results: list[RequestResult]) -> dict[str, float] | None:
+    """Share of the prompt tokens each tier served, over requests whose usage reported the cache."""
+    reported = [r for r in results if r.ok and r.cached_tokens is not None and r.prompt_tokens]
+    if not reported:
+        return None
+    total = sum(r.prompt_tokens or 0 for r in reported)
+    by_tier: Counter[str] = Counter()
+    for r in reported:
+        by_tier.update(tier_tokens(r))
+    return {tier: count / total for tier, count in sorted(by_tier.items())}
+
+
+def later_turns(results: list[RequestResult]) -> dict:
+    """Turns after a session's first: what a returning user waits for, and which tier served the
+    history (the number the KV tiers exist to lower)."""
+    group = [r for r in results if r.ok and r.turn is not None and r.turn > 0]
+    return {"completed": len(group),
+            "mean_prompt_tokens": float(np.mean([_input_tokens(r) for r in group])) if group else None,
+            "ttft": distribution([r.ttft for r in group if r.ttft is not None]),
+            "cached_token_ratio": _cached_ratio(group),
+            "tier_hit_rates": tier_hit_rates(group)}
+
+
 def per_turn(results: list[RequestResult]) -> list[dict]:
     """TTFT and cache hits by turn index: are later turns of a session faster?"""
     turns = sorted({r.turn for r in results if r.turn is not None})
@@ -111,6 +142,7 @@ def summarize(results: list[RequestResult], duration: float, slo: SLO | None = N
         "itl": distribution([gap for r in done for gap in r.itl]),
         "e2e": distribution([r.e2e for r in done if r.e2e is not None]),
         "cached_token_ratio": _cached_ratio(done),
+        "tier_hit_rates": tier_hit_rates(done),
         "goodput": None,
         "slo_attainment": None,
     }
@@ -120,6 +152,7 @@ def summarize(results: list[RequestResult], duration: float, slo: SLO | None = N
         summary["slo_attainment"] = good / len(results) if results else None
     if any(r.turn is not None for r in results):
         summary["per_turn"] = per_turn(results)
+        summary["later_turns"] = later_turns(results)
     return summary
 
 
@@ -144,6 +177,11 @@ def format_summary(summary: dict) -> str:
         ttft = row["ttft"]["mean"] * 1e3 if row["ttft"] else float("nan")
         cached = f"{row['cached_token_ratio']:.1%}" if row["cached_token_ratio"] is not None else "n/a"
         lines.append(f"  turn {row['turn']}: {row['completed']} ok, mean TTFT {ttft:.1f} ms, cached {cached}")
+    later = summary.get("later_turns")
+    if later and later["ttft"]:
+        rates = ", ".join(f"{t} {v:.1%}" for t, v in (later["tier_hit_rates"] or {}).items()) or "n/a"
+        lines.append(f"later turns: {later['completed']} ok, TTFT p50 {later['ttft']['p50'] * 1e3:.1f} ms "
+                     f"p99 {later['ttft']['p99'] * 1e3:.1f} ms, prompt tokens by tier: {rates}")
     for error, count in summary["errors"].items():
         lines.append(f"error x{count}: {error}")
     return "\n".join(lines)

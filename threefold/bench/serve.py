@@ -71,6 +71,9 @@ def add_serve_args(parser: argparse.ArgumentParser, with_server: bool = True) ->
     parser.add_argument("--min-turns", type=int, default=2)
     parser.add_argument("--max-turns", type=int, default=8)
     parser.add_argument("--think-time", type=float, default=1.0, help="sessions: mean think time, seconds")
+    parser.add_argument("--session-context-len", type=int, default=0,
+                        help="sessions: open each with its own document of this many tokens (a system message), "
+                             "so later turns re-read a long context (KV tiers)")
     parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM, threefold)")
     parser.add_argument("--suppress-eos", action="store_true",
                         help="send logit_bias -100 on the tokenizer's special tokens (llama.cpp ignores ignore_eos)")
@@ -89,7 +92,7 @@ def build_workload(args: argparse.Namespace, tokenizer) -> list[SampleRequest] |
         return load_sharegpt(args.num_prompts, tokenizer, limits, args.seed, args.split, args.dataset_path)
     if args.dataset == "sharegpt-sessions":
         return load_sharegpt_sessions(args.num_prompts, tokenizer, limits, args.seed, args.min_turns,
-                                      args.max_turns, args.split, args.dataset_path)
+                                      args.max_turns, args.split, args.dataset_path, args.session_context_len)
     if args.dataset == "humaneval":
         return load_humaneval(args.num_prompts, tokenizer, limits, args.seed)
     return load_random(args.num_prompts, tokenizer, args.input_len, args.output_len, args.seed, args.random_mode)
@@ -98,7 +101,8 @@ def build_workload(args: argparse.Namespace, tokenizer) -> list[SampleRequest] |
 def workload_stats(workload: list) -> dict:
     if workload and isinstance(workload[0], Session):
         turns = [len(s.user_turns) for s in workload]
-        return {"num_sessions": len(workload), "num_turns": sum(turns), "mean_turns": sum(turns) / len(turns)}
+        return {"num_sessions": len(workload), "num_turns": sum(turns), "mean_turns": sum(turns) / len(turns),
+                "session_context_len": workload[0].system_len}
     return {"num_requests": len(workload),
             "mean_prompt_len": sum(r.prompt_len for r in workload) / max(len(workload), 1),
             "mean_max_tokens": sum(r.max_tokens for r in workload) / max(len(workload), 1)}
@@ -107,6 +111,7 @@ def workload_stats(workload: list) -> dict:
 def _request_row(r: RequestResult) -> dict:
     return {"start": r.start, "ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e, "prompt_len": r.prompt_len,
             "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens, "cached_tokens": r.cached_tokens,
+            "cached_tokens_by_tier": r.cached_tokens_by_tier,
             "num_chunks": len(r.itl) + (1 if r.ttft is not None else 0), "turn": r.turn,
             "session_id": r.session_id, "error": r.error}
 
@@ -116,6 +121,7 @@ async def _warm_up(workload: list, cfg: LoadConfig, num: int) -> None:
         return
     quiet = dataclasses.replace(cfg, progress=False, request_rate=math.inf, max_concurrency=1)
     if isinstance(workload[0], Session):
+        # Warm-ups drop the session's document: it must not be in the cache before the measured turns.
         first = [Session(s.session_id, s.user_turns[:1], [min(s.max_tokens[0], 16)]) for s in workload[:num]]
         await run_sessions(first, dataclasses.replace(quiet, think_time=0.0))
     else:
