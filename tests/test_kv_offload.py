@@ -98,7 +98,7 @@ def test_block_codec_round_trip_dense_exact_and_int8_bounded():
         assert not torch.equal(cache.layers[layer][0, 3], k)
 
 
-def test_load_or_recompute_takes_the_best_prefix_past_a_flat_stretch_of_the_step_cost():
+def test_load_or_recompute_takes_the_longest_saving_prefix_past_a_flat_stretch_of_the_step_cost():
     dense = make_codec("auto", 3, 64, torch.float32)
     codec = BlockCodec(PagedKVCache(dense, 30, 4, 16, torch.device("cpu")), dense)  # SmolLM2's 720 KiB blocks
     with TieredKVStore(OffloadConfig(cpu_bytes=1 << 20), Namespace("m", "auto", 16)) as store:

@@ -154,8 +154,8 @@ def test_a_503_with_retry_after_is_honoured_and_the_backend_rejoins(backends, ke
         client = front.client()
         drained.state.draining = True  # a real server shutting down: 503 + Retry-After: 3 on every request
         try:
+            refused_at = time.monotonic()  # before the 503 arrives: its Retry-After runs from a moment after this
             client.completions.create(model=MODEL, prompt="One,", max_tokens=2)  # round robin tries `drained` first
-            refused_at = time.monotonic()
             down = front.state()[drained.url]
             assert not down["healthy"] and down["cooling_s"] > RETRY_AFTER_S - 1
             for i in range(3):

@@ -191,21 +191,20 @@ class KVOffload:
                 if not (was_held and self.store.hold(block[1]))]
 
     def _worth_loading(self, tiers: list[str], num_tokens_after: int) -> list[str]:
-        """The prefix of `tiers` whose loading saves the most time over recomputing it (none if none saves).
-        The best prefix, not the first block where loading loses: the step-cost model is a running
-        maximum of noisy samples, flat wherever one slow step sits, so the next 16 tokens can look free
-        to recompute while the 2,000 after them cost seconds."""
+        """The longest prefix of `tiers` whose loading saves time over recomputing it (none if none saves).
+        Judged on the whole prefix, not block by block: the step-cost model is a running maximum of noisy
+        samples, flat wherever one slow step sits, so a stretch of blocks (first or last) can look free
+        to recompute while the prefix as a whole costs seconds."""
         if self.cost is None or not tiers:
             return tiers
         base = self.cost(num_tokens_after)
-        load_s, best, best_saving = 0.0, 0, 0.0
+        load_s, longest = 0.0, 0
         for i, tier in enumerate(tiers):
             load_s += self._read_seconds(tier, 1)
-            saving = self.cost(num_tokens_after + (i + 1) * self.block_size) - base - load_s
-            if saving > best_saving:
-                best, best_saving = i + 1, saving
-        self.num_load_rejected += len(tiers) - best
-        return tiers[:best]
+            if self.cost(num_tokens_after + (i + 1) * self.block_size) - base > load_s:
+                longest = i + 1
+        self.num_load_rejected += len(tiers) - longest
+        return tiers[:longest]
 
     def _read_seconds(self, tier: str, num_blocks: int) -> float:
         """Reading blocks from a tier and copying them into the pool."""
