@@ -37,28 +37,35 @@ from threefold.sim.engine_model import EngineModel
 from threefold.sim.simulator import router_config
 
 
+def stream_turn(client: httpx.Client, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed chat turn: TTFT and end-to-end seconds, the text, and the usage's token counts."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start, ttft, text, usage = time.perf_counter(), None, "", {}
+    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                if choice["delta"].get("content"):
+                    ttft = ttft or time.perf_counter() - start
+                    text += choice["delta"]["content"]
+            usage = chunk.get("usage") or usage
+    return {"ttft": ttft, "e2e": time.perf_counter() - start, "text": text, "prompt": usage.get("prompt_tokens", 0),
+            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+            "output": usage.get("completion_tokens", 0)}
+
+
 def run_session(url: str, model: str, session, turns: int, tag: str, max_tokens: int) -> list[dict]:
     messages: list[dict] = []
     results = []
     with httpx.Client(timeout=300) as client:
         for i, user in enumerate(session.user_turns[:turns]):
             messages.append({"role": "user", "content": f"[{tag}] {user}" if i == 0 else user})
-            body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                    "stream": True, "stream_options": {"include_usage": True}}
-            start, ttft, text, usage = time.perf_counter(), None, "", {}
-            with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-                for line in response.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    for choice in chunk.get("choices") or []:
-                        if choice["delta"].get("content"):
-                            ttft = ttft or time.perf_counter() - start
-                            text += choice["delta"]["content"]
-                    usage = chunk.get("usage") or usage
-            results.append({"ttft": ttft, "e2e": time.perf_counter() - start, "prompt": usage.get("prompt_tokens", 0),
-                            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-                            "output": usage.get("completion_tokens", 0)})
+            result = stream_turn(client, url, model, messages, max_tokens)
+            text = result.pop("text")
+            results.append(result)
             messages.append({"role": "assistant", "content": text})
     return results
 

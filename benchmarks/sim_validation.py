@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import uvicorn
+from routing import stream_turn  # benchmarks/ is on sys.path: this script's own folder
 
 from threefold.bench.datasets import LengthLimits, load_sharegpt_sessions
 from threefold.bench.tokenizer import load_tokenizer
@@ -57,25 +58,6 @@ def calibrate(ns: argparse.Namespace, out: Path) -> Path:
     cmd = [sys.executable, "-m", "threefold.cli", "bench", "calibrate", "--model", ns.model, "--out", str(path)]
     subprocess.run(pinned(cmd, 0), env={**os.environ, **PINNED_ENV}, check=True)
     return path
-
-
-def stream_turn(client: httpx.Client, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    start, ttft, text, usage = time.perf_counter(), None, "", {}
-    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices") or []:
-                if choice["delta"].get("content"):
-                    ttft = ttft or time.perf_counter() - start
-                    text += choice["delta"]["content"]
-            usage = chunk.get("usage") or usage
-    return {"ttft": ttft, "text": text, "prompt": usage.get("prompt_tokens", 0),
-            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-            "output": usage.get("completion_tokens", 0)}
 
 
 def replay(url: str, ns, sessions, tag: str, keyer: PromptKeyer, starts, thinks) -> list[list[dict]]:

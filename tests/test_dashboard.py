@@ -34,10 +34,13 @@ def test_page_names_no_external_url():
 @pytest.fixture(scope="module")
 def server(smollm2_fp32):
     from threefold.engine.llm_engine import EngineArgs, LLMEngine
+    from threefold.kvstore.config import OffloadConfig
 
     from server_harness import ServerThread
 
-    engine = LLMEngine(smollm2_fp32, EngineArgs(dtype="float32", kv_cache_memory=16 << 20, max_model_len=256))
+    # An L2 host-memory tier: blocks are written through to it, so the page has a tier's bytes to show.
+    engine = LLMEngine(smollm2_fp32, EngineArgs(dtype="float32", kv_cache_memory=16 << 20, max_model_len=256,
+                                                kv_offload=OffloadConfig(cpu_bytes=8 << 20)))
     with ServerThread(engine, cost_per_hour=1.0) as server:
         yield server
 
@@ -63,6 +66,7 @@ def test_dashboard_in_chromium_matches_metrics(server, tmp_path):
                               json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0})
         assert response.status_code == 200
     wait_for(lambda: metrics(server.url).get("threefold:ledger_requests_total") == 3)
+    wait_for(lambda: metrics(server.url).get("threefold:kv_offload_pending_writes") == 0)  # written through
     page = httpx.get(f"{server.url}/dashboard")
     assert page.headers["content-security-policy"].startswith("default-src 'self'")
     net_log = tmp_path / "net-log.json"
@@ -82,6 +86,13 @@ def test_dashboard_in_chromium_matches_metrics(server, tmp_path):
     assert shown["ledger-compute"] == f'{m["threefold:ledger_compute_seconds_total"]:.3f}'
     saved = m["threefold:ledger_saved_seconds_total{technique=prefix_cache}"]
     assert shown["saved-prefix_cache"] == f"prefix_cache {saved:.3f}  " and saved > 0
+    tier = "tier=cpu"
+    used = m[f"threefold:kv_offload_used_bytes{{{tier}}}"]
+    capacity = m[f"threefold:kv_offload_capacity_bytes{{{tier}}}"]
+    writes = m[f"threefold:kv_offload_writes_total{{{tier}}}"]
+    assert used > 0 and capacity == 8 << 20 and writes > 0
+    assert shown["tier-cpu"] == (f"cpu {used / 1048576:.2f}/{capacity / 1048576:.2f} MiB, {writes:g} blocks written, "
+                                 f"{m.get(f'threefold:kv_offload_hit_tokens_total{{{tier}}}', 0):g} hit tokens  ")
     # Every URL the browser fetched: this server's, or Chromium's own background services.
     urls = set(re.findall(r'"url":"([^"]+)"', net_log.read_text()))
     page_urls = {u for u in urls if u.startswith(server.url)}

@@ -67,13 +67,34 @@ def dashboard_data(state: ServerState) -> dict:
                   "prefix_cache_queries": queries, "prefix_cache_hits": hits,
                   "prefix_hit_rate": hits / queries if queries else None,
                   "spec_draft_tokens": drafts, "spec_accepted_tokens": accepted,
-                  "draft_acceptance": accepted / drafts if drafts else None, "ledger": None}
+                  "draft_acceptance": accepted / drafts if drafts else None, "ledger": None,
+                  "kv_tiers": _kv_tiers(state)}
     if state.ledger is not None:
         saved = {t: value("threefold:ledger_saved_seconds_total", technique=t)
                  - value("threefold:ledger_lost_seconds_total", technique=t) for t in state.ledger.techniques}
         data["ledger"] = {"requests": value("threefold:ledger_requests_total"),
                           "compute_s": value("threefold:ledger_compute_seconds_total"), "saved_s": saved}
     return data
+
+
+_TIER_FIELDS = {"threefold:kv_offload_used_bytes": "used_bytes",
+                "threefold:kv_offload_capacity_bytes": "capacity_bytes",
+                "threefold:kv_offload_hit_tokens_total": "hit_tokens",
+                "threefold:kv_offload_writes_total": "writes"}
+"""The KV offload collector's samples the page shows per tier (Redis reports no used bytes)."""
+
+
+def _kv_tiers(state: ServerState) -> dict[str, dict[str, float]]:
+    """Per KV offload tier (cpu, disk, redis): bytes held, its size, blocks written, prompt tokens it served."""
+    tiers: dict[str, dict[str, float]] = {}
+    for metric in state.metrics.registry.collect():
+        if not metric.name.startswith("threefold:kv_offload_"):
+            continue
+        for sample in metric.samples:
+            field = _TIER_FIELDS.get(sample.name)
+            if field is not None and "tier" in sample.labels:
+                tiers.setdefault(sample.labels["tier"], {})[field] = sample.value
+    return tiers
 
 
 def _kv_codec(state: ServerState) -> str | None:

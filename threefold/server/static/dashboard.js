@@ -10,7 +10,8 @@ const charts = [
    pick: d => [d.prefix_hit_rate, d.draft_acceptance]},
 ];
 const colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"];
-let savingsChart = null, last = null, polls = 0;
+const TIERS = ["cpu", "disk", "redis"];
+let savingsChart = null, tierChart = null, last = null, polls = 0;
 
 function makeChart(title, names) {
   const box = document.createElement("div");
@@ -43,6 +44,7 @@ function update(d) {
   show("kv-usage", d.kv_usage, 4); show("prefix-hit-rate", d.prefix_hit_rate, 4);
   show("draft-acceptance", d.draft_acceptance, 4);
   charts.forEach(c => push(c.chart, d.time, c.pick(d, rate)));
+  showTiers(d.kv_tiers || {}, d.time);
   if (!d.ledger) return;
   show("ledger-requests", d.ledger.requests); show("ledger-compute", d.ledger.compute_s, 3);
   const names = Object.keys(d.ledger.saved_s);
@@ -56,6 +58,24 @@ function update(d) {
   });
   if (names.length && !savingsChart) savingsChart = makeChart("ledger: compute saved (s), by technique", names);
   if (savingsChart) push(savingsChart, d.time, names.map(n => d.ledger.saved_s[n]));
+}
+
+function showTiers(tiers, time) {
+  // One line per KV offload tier: what it holds of its size, blocks written, prompt tokens it served.
+  const names = Object.keys(tiers).sort();
+  const box = document.getElementById("tiers");
+  box.textContent = names.length ? "KV tiers: " : "no KV offload tier";
+  names.forEach(n => {
+    const t = tiers[n], el = document.createElement("span");
+    el.id = "tier-" + n.replace(/[^a-z0-9_-]/gi, "_");
+    const used = t.used_bytes === undefined ? "?" : (t.used_bytes / 1048576).toFixed(2);
+    el.textContent = n + " " + used + "/" + ((t.capacity_bytes || 0) / 1048576).toFixed(2) + " MiB, "
+      + (t.writes || 0) + " blocks written, " + (t.hit_tokens || 0) + " hit tokens  ";
+    box.appendChild(el);
+  });
+  if (names.length && !tierChart) tierChart = makeChart("KV tiers: bytes held (MiB)", TIERS);
+  if (tierChart) push(tierChart, time, TIERS.map(n => tiers[n] && tiers[n].used_bytes !== undefined
+    ? tiers[n].used_bytes / 1048576 : null));
 }
 
 async function poll() {
