@@ -12,6 +12,7 @@ from importlib import resources
 
 from fastapi import FastAPI
 from fastapi.responses import Response
+from prometheus_client.metrics_core import Metric
 
 from threefold.ledger import parse_window
 from threefold.server.errors import ServerError
@@ -52,9 +53,12 @@ def _static(name: str) -> bytes:
 def dashboard_data(state: ServerState) -> dict:
     """Counters and gauges as /metrics has them at this moment, plus the rates derived from them."""
     model = state.config.model_name
+    # One pass over every collector (engine, KV offload, ledger): get_sample_value would run them all per call.
+    metrics = list(state.metrics.registry.collect())
+    samples = {(s.name, frozenset(s.labels.items())): s.value for metric in metrics for s in metric.samples}
 
     def value(name: str, **labels: str) -> float:
-        return state.metrics.registry.get_sample_value(name, {"model_name": model, **labels}) or 0.0
+        return samples.get((name, frozenset({"model_name": model, **labels}.items()))) or 0.0
 
     queries, hits = value("vllm:prefix_cache_queries_total"), value("vllm:prefix_cache_hits_total")
     drafts = value("vllm:spec_decode_num_draft_tokens_total")
@@ -63,12 +67,12 @@ def dashboard_data(state: ServerState) -> dict:
                   "generation_tokens": value("vllm:generation_tokens_total"),
                   "prompt_tokens": value("vllm:prompt_tokens_total"),
                   "running": value("vllm:num_requests_running"), "waiting": value("vllm:num_requests_waiting"),
-                  "kv_usage": value("vllm:kv_cache_usage_perc"), "kv_codec": _kv_codec(state),
+                  "kv_usage": value("vllm:kv_cache_usage_perc"), "kv_codec": _kv_codec(metrics),
                   "prefix_cache_queries": queries, "prefix_cache_hits": hits,
                   "prefix_hit_rate": hits / queries if queries else None,
                   "spec_draft_tokens": drafts, "spec_accepted_tokens": accepted,
                   "draft_acceptance": accepted / drafts if drafts else None, "ledger": None,
-                  "kv_tiers": _kv_tiers(state)}
+                  "kv_tiers": _kv_tiers(metrics)}
     if state.ledger is not None:
         saved = {t: value("threefold:ledger_saved_seconds_total", technique=t)
                  - value("threefold:ledger_lost_seconds_total", technique=t) for t in state.ledger.techniques}
@@ -84,10 +88,10 @@ _TIER_FIELDS = {"threefold:kv_offload_used_bytes": "used_bytes",
 """The KV offload collector's samples the page shows per tier (Redis reports no used bytes)."""
 
 
-def _kv_tiers(state: ServerState) -> dict[str, dict[str, float]]:
+def _kv_tiers(metrics: list[Metric]) -> dict[str, dict[str, float]]:
     """Per KV offload tier (cpu, disk, redis): bytes held, its size, blocks written, prompt tokens it served."""
     tiers: dict[str, dict[str, float]] = {}
-    for metric in state.metrics.registry.collect():
+    for metric in metrics:
         if not metric.name.startswith("threefold:kv_offload_"):
             continue
         for sample in metric.samples:
@@ -97,8 +101,8 @@ def _kv_tiers(state: ServerState) -> dict[str, dict[str, float]]:
     return tiers
 
 
-def _kv_codec(state: ServerState) -> str | None:
-    for metric in state.metrics.registry.collect():
+def _kv_codec(metrics: list[Metric]) -> str | None:
+    for metric in metrics:
         if metric.name == "vllm:cache_config_info":
             return next((s.labels.get("kv_cache_dtype") for s in metric.samples), None)
     return None
