@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from threefold.errors import ThreefoldError
-from threefold.kv.spec import parse_kv_spec
+from threefold.kv.guard import validate_kv_cache_dtype
 
 DTYPES = ("auto", "float32", "bfloat16", "bf16-weights")
 """ModelConfig.dtype's values (threefold.model.precision explains each)."""
@@ -46,14 +46,23 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     """Reuse KV of identical prompt prefixes across requests."""
     kv_cache_dtype: str = "auto"
-    """KV codec spec (vLLM's name): auto, int8, fp8, fp8_e5m2, int4[:group=32]; see threefold/kv/spec.py."""
+    """KV codec spec (vLLM's name): auto, int8, fp8, fp8_e5m2, int4[:group=32], kivi2, ... (kv/spec.py);
+    a per-layer mix, mix:SPEC@LAYERS;... (kv/mix.py); or guard:BASE[>RUNG...] (kv/guard.py), which
+    calibrates a mix at startup within kv_quality_budget."""
+    kv_quality_budget: float | None = None
+    """guard: specs only: the mean KL divergence (nats per token) the chosen mix may add against auto."""
+    kv_guard_calibration: str | None = None
+    """guard: specs only: a text file to calibrate on; None = ShareGPT's train split."""
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
                  f"block_size must be a power of two up to 128, got {self.block_size}.", "block_size")
         _require(self.kv_cache_memory is None or self.kv_cache_memory > 0,
                  f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}.", "kv_cache_memory")
-        parse_kv_spec(self.kv_cache_dtype)  # raises, listing the codecs and their parameters
+        # raises, listing the codecs and their parameters (and, for guard:, the budget it needs)
+        validate_kv_cache_dtype(self.kv_cache_dtype, self.kv_quality_budget)
+        _require(self.kv_guard_calibration is None or self.kv_quality_budget is not None,
+                 "kv_guard_calibration applies to guard: specs only (with kv_quality_budget).", "kv_guard_calibration")
 
 
 SCHEDULING_POLICIES = ("hybrid", "fcfs")

@@ -61,7 +61,7 @@ class EngineCore:
                 f"{min_blocks - 1} one {max_model_len}-token request needs; raise kv_cache_memory "
                 f"or lower max_model_len.", param="kv_cache_memory")
         self.runner.initialize_kv_cache(num_blocks, num_windows)
-        spec = str(self.runner.codec.spec)
+        spec = self.runner.kv_cache_dtype
         self.offload = self._build_offload(loaded, offload, cache) if offload and offload.enabled else None
         self.kv = KVCacheManager(num_blocks, cache.block_size, loaded.fingerprint, cache.enable_prefix_caching, spec,
                                  record_events=self.offload is not None)
@@ -74,6 +74,8 @@ class EngineCore:
                            "capacity_tokens": self.kv.capacity_tokens, "kv_cache_memory": budget,
                            "window_bytes_per_seq": window_bytes, "max_num_seqs": sched.max_num_seqs}
         """What the KV pool holds (startup log, /metrics, `threefold info`)."""
+        if self.runner.codec is None:  # a per-layer mix: each layer's codec (a gauge per layer in /metrics)
+            self.cache_info["layer_codecs"] = [str(c.spec) for c in self.runner.codecs]
         logger.info("KV cache: kv_cache_dtype=%s, %.1f bytes/token, %d blocks of %d tokens = %d tokens (%.1f MiB)",
                     spec, self.cache_info["bytes_per_token"], num_blocks - 1,
                     cache.block_size, self.kv.capacity_tokens, budget / 2**20)
@@ -82,6 +84,9 @@ class EngineCore:
         """The tiers under the pool; blocks keyed by the weights' fingerprint, codec and block size."""
         runner = self.runner
         assert runner.kv_cache is not None
+        if runner.codec is None:
+            raise ThreefoldError(f"kv_offload does not support a per-layer codec mix yet (kv_cache_dtype "
+                                 f"{runner.kv_cache_dtype}); use one codec for every layer.", param="kv_offload")
         codec = runner.codec if config.codec is None else make_codec(
             config.codec, loaded.config.num_kv_heads, loaded.config.head_dim, loaded.config.dtype)
         namespace = Namespace(loaded.fingerprint, str(codec.spec), cache.block_size)

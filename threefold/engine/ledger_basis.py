@@ -34,9 +34,9 @@ def cost_basis(engine: Any) -> CostBasis | None:
         techniques.append(TECHNIQUE_PREFIX)
     if runner.spec is not None:
         techniques.append(TECHNIQUE_SPEC)
-    if str(runner.codec.spec) != "auto":
+    if runner.kv_cache_dtype != "auto":
         techniques.append(TECHNIQUE_CODEC)
-    return CostBasis(cost, runner.bytes_per_block() / block_size, dtype_bytes, str(runner.codec.spec),
+    return CostBasis(cost, runner.bytes_per_block() / block_size, dtype_bytes, runner.kv_cache_dtype,
                      tuple(techniques), _draft_seconds(controller))
 
 

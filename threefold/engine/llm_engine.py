@@ -17,6 +17,7 @@ from threefold.core.outputs import EngineCoreOutput
 from threefold.core.request import Request, check_request_class
 from threefold.core.scheduler import SchedulerStats
 from threefold.engine.engine_core import EngineCore
+from threefold.engine.kv_guard import resolve_guard
 from threefold.engine.output_processor import OutputProcessor, RequestState
 from threefold.engine.outputs import RequestOutput, RequestOutputKind
 from threefold.errors import ContextLengthError, ThreefoldError
@@ -49,6 +50,8 @@ class EngineArgs:
     max_offline_queued_tokens: int = _SCHED.max_offline_queued_tokens
     enable_prefix_caching: bool = _CACHE.enable_prefix_caching
     kv_cache_dtype: str = _CACHE.kv_cache_dtype
+    kv_quality_budget: float | None = _CACHE.kv_quality_budget
+    kv_guard_calibration: str | None = _CACHE.kv_guard_calibration
     seed: int = _MODEL.seed
     device: str = "cpu"
     speculative_config: SpeculativeConfig | dict | str | None = None
@@ -62,7 +65,8 @@ class EngineArgs:
 
     def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         return (ModelConfig(self.model, self.dtype, self.max_model_len, self.seed),
-                CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching, self.kv_cache_dtype),
+                CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching, self.kv_cache_dtype,
+                            self.kv_quality_budget, self.kv_guard_calibration),
                 SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling_policy,
                                 self.online_ttft_slo, self.online_itl_slo,  # type: ignore[arg-type]  # parsed there
                                 self.offline_min_share, self.max_offline_queued_tokens))
@@ -81,8 +85,14 @@ class LLMEngine:
         self.vocab_size = loaded.config.vocab_size
         torch.manual_seed(model_config.seed)
         loaded.precision.log(logger)  # which dtype, on which CPU, and why
+        cache_config, self.guard = resolve_guard(loaded, cache_config, self.max_model_len)
+        """guard: specs: what the startup calibration chose and measured (None otherwise)."""
         self.core = EngineCore(loaded, cache_config, sched_config, self.max_model_len, args.device,
                                args.speculative, args.kv_offload)
+        if self.guard is not None:
+            g = self.guard
+            self.core.cache_info["kv_guard"] = {"guard": g.guard, "budget": g.budget, "predicted_kl": g.predicted_kl,
+                                                "measured_kl": g.measured_kl}
         self.processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, RequestState] = {}
         self.child_to_parent: dict[str, tuple[RequestState, int]] = {}

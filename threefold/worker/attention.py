@@ -118,7 +118,7 @@ class PagedAttention:
         if chunk.context_len == 0:
             # Nothing cached before the chunk: attend over its fresh K/V as the cache holds them
             # (a lossy codec's round trip), the values any later chunk or decode reads back.
-            k, v = self.cache.codec.round_trip(k, v)
+            k, v = self.cache.codecs[layer_idx].round_trip(k, v)
             keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         else:
             keys, values = self.cache.read(layer_idx, chunk.block_table)
@@ -151,3 +151,15 @@ def _offset_causal_mask(query_len: int, total_len: int, window: int | None,
     if window is not None:
         visible &= keys > rows - window
     return visible
+
+
+class LayerDispatch:
+    """A per-layer codec mix with windowed (KIVI) and windowless layers: each layer goes to the
+    attention of its kind (the cache's per-layer codecs do the rest)."""
+
+    def __init__(self, windowed, paged: PagedAttention, windowed_layers: set[int]) -> None:
+        self.windowed, self.paged, self.windowed_layers = windowed, paged, windowed_layers
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        attention = self.windowed if layer_idx in self.windowed_layers else self.paged
+        return attention(layer_idx, q, k, v)

@@ -10,6 +10,9 @@ exactly when its block leaves the window. Each query row p of a chunk sees the c
 stands after p + 1 tokens (nq(p + 1)), as if decoded one token at a time: chunking and
 batching do not change what a row attends over.
 
+In a per-layer codec mix (kv/mix.py) this object serves the windowed layers only: each layer
+reads its own codec (and residual), and its window lives in ring row `rows[layer]`.
+
 Per layer: first every request writes (encodes the blocks its new tokens complete, and puts
 the tokens in its ring), then every request attends, so a block published for a prefix hit
 in this very step is encoded before any request reads it.
@@ -44,41 +47,51 @@ class KiviAttention:
     """The AttentionFn over a KIVI cache for one step."""
 
     def __init__(self, cache: PagedKVCache, arena: WindowArena, requests: list[KiviRequest], scale: float,
-                 residual: int) -> None:
-        assert isinstance(cache.codec, KiviCodec)
-        self.codec: KiviCodec = cache.codec
+                 residual: int | None = None, rows: dict[int, int] | None = None) -> None:
         self.cache = cache
         self.arena = arena
         self.requests = requests
         self.scale = scale
         self.residual = residual
+        """Overrides every layer's codec residual (None: each layer's own)."""
+        self.rows = rows
+        """Layer -> its ring row in the arena (None: row = layer, every layer windowed)."""
         self.block_size = cache.block_size
 
-    def quantized_len(self, window: Window, n: int) -> int:
+    def _codec(self, layer_idx: int) -> KiviCodec:
+        codec = self.cache.codecs[layer_idx]
+        assert isinstance(codec, KiviCodec), f"layer {layer_idx} has no window ({codec.spec})"
+        return codec
+
+    def quantized_len(self, window: Window, n: int, residual: int) -> int:
         """nq(n): tokens of n read from the blocks."""
-        return max(window.start, (n - self.residual) // self.block_size * self.block_size)
+        return max(window.start, (n - residual) // self.block_size * self.block_size)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        codec = self._codec(layer_idx)
+        residual = codec.residual if self.residual is None else self.residual
         spans = [slice(r.query_start, r.query_start + r.query_len) for r in self.requests]
-        dense = [self._write(layer_idx, r, k[span], v[span]) for r, span in zip(self.requests, spans, strict=True)]
+        dense = [self._write(layer_idx, codec, residual, r, k[span], v[span])
+                 for r, span in zip(self.requests, spans, strict=True)]
         out = torch.empty_like(q)
         for r, span, (lo, dk, dv) in zip(self.requests, spans, dense, strict=True):
-            out[span] = self._attend(layer_idx, r, q[span], lo, dk, dv)
+            out[span] = self._attend(layer_idx, codec, residual, r, q[span], lo, dk, dv)
         return out
 
-    def _write(self, layer_idx: int, r: KiviRequest, k: torch.Tensor,
+    def _write(self, layer_idx: int, codec: KiviCodec, residual: int, r: KiviRequest, k: torch.Tensor,
                v: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Encode completed blocks, update the ring; return the exact K/V of positions [lo, ctx + len)."""
         ctx, hi, bs, size = r.context_len, r.context_len + r.query_len, self.block_size, self.arena.size
-        lo = min(ctx - ctx % bs, self.quantized_len(r.window, ctx + 1))
-        ring = self.arena.ring[layer_idx, :, r.window.slot]  # [2, size, kvh, d]
+        lo = min(ctx - ctx % bs, self.quantized_len(r.window, ctx + 1, residual))
+        row = layer_idx if self.rows is None else self.rows[layer_idx]
+        ring = self.arena.ring[row, :, r.window.slot]  # [2, size, kvh, d]
         before = ring.index_select(1, torch.arange(lo, ctx, device=k.device) % size)
         dk, dv = torch.cat([before[0], k]), torch.cat([before[1], v])
         first, last = ctx // bs, hi // bs  # blocks this chunk completes
         if last > first:
             rows = slice(first * bs - lo, last * bs - lo)
             blocks = (last - first, bs, *k.shape[1:])
-            self.codec.encode(self.cache.layers[layer_idx], r.block_ids[first:last],
+            codec.encode(self.cache.layers[layer_idx], r.block_ids[first:last],
                               dk[rows].reshape(blocks), dv[rows].reshape(blocks))
         keep = max(lo, hi - size)
         slots = torch.arange(keep, hi, device=k.device) % size
@@ -86,11 +99,11 @@ class KiviAttention:
         ring[1].index_copy_(0, slots, dv[keep - lo:])
         return lo, dk, dv
 
-    def _attend(self, layer_idx: int, r: KiviRequest, q: torch.Tensor, lo: int, dk: torch.Tensor,
-                dv: torch.Tensor) -> torch.Tensor:
+    def _attend(self, layer_idx: int, codec: KiviCodec, residual: int, r: KiviRequest, q: torch.Tensor, lo: int,
+                dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
         ctx, hi = r.context_len, r.context_len + r.query_len
-        num_quantized = self.quantized_len(r.window, hi)
-        kq, vq = self.codec.read_blocks(self.cache.layers[layer_idx], r.block_ids[: num_quantized // self.block_size])
+        num_quantized = self.quantized_len(r.window, hi, residual)
+        kq, vq = codec.read_blocks(self.cache.layers[layer_idx], r.block_ids[: num_quantized // self.block_size])
         keys = torch.cat([kq, dk]).transpose(0, 1).unsqueeze(0)  # [1, kvh, keys, d]
         values = torch.cat([vq, dv]).transpose(0, 1).unsqueeze(0)
         device = q.device
@@ -99,7 +112,7 @@ class KiviAttention:
         out = torch.empty_like(q)
         for start in range(0, r.query_len, _ROWS):
             rows = torch.arange(ctx + start, min(ctx + start + _ROWS, hi), device=device)  # positions
-            nq = torch.tensor([self.quantized_len(r.window, p + 1) for p in rows.tolist()], device=device)
+            nq = torch.tensor([self.quantized_len(r.window, p + 1, residual) for p in rows.tolist()], device=device)
             below = key_pos.unsqueeze(0) < nq.unsqueeze(1)
             mask = torch.where(is_quantized, below, ~below & (key_pos.unsqueeze(0) <= rows.unsqueeze(1)))
             attn = F.scaled_dot_product_attention(q[start : start + len(rows)].transpose(0, 1).unsqueeze(0), keys,
@@ -109,13 +122,13 @@ class KiviAttention:
 
 
 def build_kivi_attention(cache: PagedKVCache, arena: WindowArena, order, query_starts: list[int],
-                         query_lens: list[int], block_ids, scale: float) -> KiviAttention:
+                         query_lens: list[int], block_ids, scale: float,
+                         rows: dict[int, int] | None = None) -> KiviAttention:
     """One step's KiviAttention; `block_ids(state)` lists a request's blocks."""
-    assert isinstance(cache.codec, KiviCodec)
     requests = []
     for state, start, n in zip(order, query_starts, query_lens, strict=True):
         ctx = state.num_computed_tokens
         num_blocks = -(-(ctx + n) // cache.block_size)
         ids = torch.tensor(block_ids(state)[:num_blocks], dtype=torch.long, device=arena.ring.device)
         requests.append(KiviRequest(start, n, ctx, ids, arena.acquire(state.request_id, ctx)))
-    return KiviAttention(cache, arena, requests, scale, cache.codec.residual)
+    return KiviAttention(cache, arena, requests, scale, rows=rows)

@@ -15,6 +15,8 @@ import torch
 from threefold.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from threefold.errors import ThreefoldError
 from threefold.kernels import cpu_kernels
+from threefold.kv.codec import KVCodec
+from threefold.kv.mix import layer_specs, mix_text
 from threefold.kv.paged import PagedKVCache
 from threefold.kv.registry import make_codec
 from threefold.kv.window import WindowArena
@@ -22,7 +24,7 @@ from threefold.model.loader import LoadedModel
 from threefold.sample.sampler import Sampler, SamplingMetadata, compute_logprobs_tensors
 from threefold.spec.config import SpeculativeConfig
 from threefold.spec.runner import SpecRunner
-from threefold.worker.attention import PagedAttention
+from threefold.worker.attention import LayerDispatch, PagedAttention
 from threefold.worker.batch import RequestStates, StepBatch, build_batch
 from threefold.worker.kivi_attention import build_kivi_attention
 from threefold.worker.kv_offload import KVOffload
@@ -37,11 +39,22 @@ class ModelRunner:
         self.config = loaded.config
         self.block_size = block_size
         self.device = torch.device(device)
-        self.codec = make_codec(kv_cache_dtype, self.config.num_kv_heads, self.config.head_dim, self.config.dtype)
-        self.codec.check_block_size(block_size)
-        self.window_tokens = self.codec.window_tokens(block_size)
+        specs = layer_specs(kv_cache_dtype, self.config.num_layers)
+        self.kv_cache_dtype = mix_text(specs)
+        """Canonical text of the cache's codec(s): a plain spec, or a per-layer mix (kv/mix.py)."""
+        made: dict[str, KVCodec] = {}
+        for spec in specs:
+            if str(spec) not in made:
+                made[str(spec)] = make_codec(spec, self.config.num_kv_heads, self.config.head_dim, self.config.dtype)
+                made[str(spec)].check_block_size(block_size)
+        self.codecs = [made[str(spec)] for spec in specs]
+        self.codec: KVCodec | None = self.codecs[0] if len(made) == 1 else None
+        """The one codec of every layer, or None for a mix."""
+        self.window_layers = [i for i, c in enumerate(self.codecs) if c.window_tokens(block_size)]
+        """Layers whose codec keeps a full-precision window (KIVI); rows of the window arena, in order."""
+        self.window_tokens = max(c.window_tokens(block_size) for c in self.codecs)
         if self.window_tokens and (speculative_config is not None or self.config.sliding_window is not None):
-            raise ThreefoldError(f"kv_cache_dtype {self.codec.spec} does not support speculative decoding or "
+            raise ThreefoldError(f"kv_cache_dtype {self.kv_cache_dtype} does not support speculative decoding or "
                                  f"sliding-window models yet.", param="kv_cache_dtype")
         self.windows: WindowArena | None = None
         """Windowed codecs (KIVI): each running request's full-precision recent tokens."""
@@ -61,19 +74,19 @@ class ModelRunner:
         [n, vocab] of prompt positions starting at a position, per request."""
 
     def bytes_per_block(self) -> int:
-        return PagedKVCache.bytes_per_block(self.codec, self.config.num_layers, self.block_size)
+        return PagedKVCache.bytes_per_block(self.codecs, self.config.num_layers, self.block_size)
 
     def window_bytes_per_seq(self) -> int:
         """Bytes of one running request's full-precision window (0: the codec keeps none)."""
         if not self.window_tokens:
             return 0
-        return WindowArena.bytes_per_slot(self.config.num_layers, self.window_tokens, self.config.num_kv_heads,
+        return WindowArena.bytes_per_slot(len(self.window_layers), self.window_tokens, self.config.num_kv_heads,
                                           self.config.head_dim, self.config.dtype)
 
     def initialize_kv_cache(self, num_blocks: int, num_windows: int = 0) -> None:
-        self.kv_cache = PagedKVCache(self.codec, self.config.num_layers, num_blocks, self.block_size, self.device)
+        self.kv_cache = PagedKVCache(self.codecs, self.config.num_layers, num_blocks, self.block_size, self.device)
         if self.window_tokens:
-            self.windows = WindowArena(self.config.num_layers, num_windows, self.window_tokens,
+            self.windows = WindowArena(len(self.window_layers), num_windows, self.window_tokens,
                                        self.config.num_kv_heads, self.config.head_dim, self.config.dtype, self.device)
 
     @torch.inference_mode()
@@ -124,8 +137,14 @@ class ModelRunner:
         if self.windows is None:
             return PagedAttention(self.kv_cache, batch.attn, scale, self.config.dtype, self.kernels)
         table = self.requests.block_table
-        return build_kivi_attention(self.kv_cache, self.windows, batch.order, batch.query_starts, batch.query_lens,
-                                    lambda state: table.block_ids(state.row), scale)
+        every_layer = len(self.window_layers) == len(self.codecs)
+        rows = None if every_layer else {layer: row for row, layer in enumerate(self.window_layers)}
+        windowed = build_kivi_attention(self.kv_cache, self.windows, batch.order, batch.query_starts,
+                                        batch.query_lens, lambda state: table.block_ids(state.row), scale, rows)
+        if every_layer:
+            return windowed
+        paged = PagedAttention(self.kv_cache, batch.attn, scale, self.config.dtype, self.kernels)
+        return LayerDispatch(windowed, paged, set(self.window_layers))
 
     def _sample(self, batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
         if not batch.sampling_states:
