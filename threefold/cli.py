@@ -35,7 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="most prompt + max_tokens of unfinished offline requests")
     parser.add_argument("--block-size", type=int, default=cache.block_size)
     parser.add_argument("--kv-cache-dtype", default=cache.kv_cache_dtype,
-                        help="KV codec: auto, int8, fp8 (=fp8_e4m3), fp8_e5m2, int4[:group=32]")
+                        help="KV codec: auto, int8, fp8 (=fp8_e4m3), fp8_e5m2, int4[:group=32], kivi2, kivi4; "
+                             "a per-layer mix mix:SPEC@LAYERS;...; or guard:BASE (with --kv-quality-budget)")
+    add_guard_args(parser)
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         default=cache.enable_prefix_caching)
     parser.add_argument("--seed", type=int, default=model.seed)
@@ -46,6 +48,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_offload_args(parser)  # --kv-offload-cpu-bytes/-disk/-disk-bytes/-redis/-codec/-config (issue 12)
 
 
+def add_guard_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-quality-budget", type=float, default=None,
+                        help="guard: specs: mean KL (nats/token) the calibrated per-layer mix may add against auto, "
+                             "e.g. 0.01")
+    parser.add_argument("--kv-guard-calibration", default=None, metavar="FILE",
+                        help="guard: specs: text file to calibrate on (default: ShareGPT train split)")
+
+
 def engine_args_from(ns: argparse.Namespace):
     from threefold.engine.llm_engine import EngineArgs
     from threefold.kvstore import OffloadConfig
@@ -54,7 +64,8 @@ def engine_args_from(ns: argparse.Namespace):
                       kv_cache_memory=ns.kv_cache_memory, block_size=ns.block_size, max_num_seqs=ns.max_num_seqs,
                       max_num_batched_tokens=ns.max_num_batched_tokens,
                       enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed,
-                      kv_cache_dtype=ns.kv_cache_dtype,
+                      kv_cache_dtype=ns.kv_cache_dtype, kv_quality_budget=ns.kv_quality_budget,
+                      kv_guard_calibration=ns.kv_guard_calibration,
                       speculative_config=getattr(ns, "speculative_config", None),
                       scheduling_policy=ns.scheduling_policy, online_ttft_slo=ns.online_ttft_slo,
                       online_itl_slo=ns.online_itl_slo, offline_min_share=ns.offline_min_share,

@@ -47,12 +47,14 @@ def _hf_dir(model: str) -> Path:
 
 
 def run_threefold(model: str, requests: list[dict], dtype: str, max_model_len: int,
-                  kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None) -> float:
+                  kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None,
+                  kv_quality_budget: float | None = None, kv_guard_calibration: str | None = None) -> float:
     from threefold.engine.llm import LLM
     from threefold.sample.params import SamplingParams
 
     llm = LLM(model, dtype=dtype, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
-              kv_cache_memory=kv_cache_memory)
+              kv_cache_memory=kv_cache_memory, kv_quality_budget=kv_quality_budget,
+              kv_guard_calibration=kv_guard_calibration)
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
     params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in requests]
     llm.generate(prompts[:1], params[:1])  # warm-up
@@ -114,7 +116,7 @@ def run_offline(args: argparse.Namespace, requests: list[dict] | None = None) ->
     args.dtype = dtype  # recorded
     if args.engine == "threefold":
         elapsed = run_threefold(args.model, requests, dtype, args.max_total_len, args.kv_cache_dtype,
-                                args.kv_cache_memory)
+                                args.kv_cache_memory, args.kv_quality_budget, args.kv_guard_calibration)
     elif args.engine == "vllm":
         elapsed = run_vllm(args.model, requests, dtype, args.max_total_len)
     else:
@@ -134,9 +136,10 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
                         help="every engine's compute dtype; auto: bf16 only on CPUs with native bf16, else fp32 "
                              "(threefold resolves its own auto: see threefold/model/precision.py)")
     parser.add_argument("--batch-size", type=int, default=16, help="transformers: static batch size")
-    from threefold.cli import parse_bytes
+    from threefold.cli import add_guard_args, parse_bytes
     parser.add_argument("--kv-cache-dtype", default="auto", help="threefold: KV codec spec (see threefold info)")
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="threefold: KV budget, e.g. 64MiB")
+    add_guard_args(parser)
 
 
 def offline_main(args: argparse.Namespace) -> int:

@@ -52,7 +52,7 @@ def is_guard(text: str) -> bool:
 
 
 def parse_guard(text: str) -> GuardSpec:
-    parts = [p for p in text.strip()[len(PREFIX):].split(">")]
+    parts = text.strip()[len(PREFIX):].split(">")
     if any(not p.strip() or is_guard(p) or is_mix(p) for p in parts):
         raise ThreefoldError(f"kv_cache_dtype {text!r}: write guard:BASE or guard:BASE>RUNG>... with plain codec "
                              f"specs (e.g. guard:kivi2 or guard:kivi2>kivi4>int8).", param="kv_cache_dtype")

@@ -29,7 +29,7 @@ def _error(text: str, why: str) -> ThreefoldError:
 
 
 def _layers(text: str, part: str) -> list[int]:
-    layers = []
+    layers: list[int] = []
     for item in part.split(","):
         lo, dash, hi = item.strip().partition("-")
         try:
@@ -65,11 +65,12 @@ def parse_mix(text: str, num_layers: int | None = None) -> list[KVSpec]:
 
 
 def _ranges(layers: list[int]) -> str:
-    parts, start = [], layers[0]
-    for prev, layer in zip(layers, [*layers[1:], None], strict=True):
-        if layer != prev + 1:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
+    parts, start = [], 0
+    for i, layer in enumerate(layers):
+        if i == 0 or layer != layers[i - 1] + 1:
             start = layer
+        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
+            parts.append(str(start) if start == layer else f"{start}-{layer}")
     return ",".join(parts)
 
 

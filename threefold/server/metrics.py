@@ -100,14 +100,28 @@ class ServerMetrics(StatLogger):
 
     def set_cache_config(self, info: dict) -> None:
         """The KV pool's configuration: vLLM's info-style gauge (value 1, the config in its
-        labels, kv_cache_dtype among them) plus threefold: gauges of its size."""
-        labels = {"model_name": self._model_name, **{k: str(v) for k, v in info.items()}}
+        labels, kv_cache_dtype among them) plus threefold: gauges of its size; for a per-layer
+        mix one info gauge per layer, and for a guard: spec its budget and measured KL."""
+        scalars = {k: v for k, v in info.items() if not isinstance(v, (list, dict))}
+        labels = {"model_name": self._model_name, **{k: str(v) for k, v in scalars.items()}}
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(labels),
               registry=self.registry).labels(**labels).set(1)
         for key, doc in (("bytes_per_token", "KV-cache bytes per token, all layers, everything stored."),
                          ("capacity_tokens", "Tokens the KV pool holds.")):
             Gauge(f"threefold:kv_cache_{key}", doc, ["model_name", "kv_cache_dtype"],
                   registry=self.registry).labels(self._model_name, info["kv_cache_dtype"]).set(info[key])
+        if "layer_codecs" in info:
+            layers = Gauge("threefold:kv_cache_layer_codec_info", "Codec of each layer in a per-layer KV mix (1).",
+                           ["model_name", "layer", "codec"], registry=self.registry)
+            for layer, codec in enumerate(info["layer_codecs"]):
+                layers.labels(self._model_name, str(layer), codec).set(1)
+        if "kv_guard" in info:
+            guard = info["kv_guard"]
+            kl = Gauge("threefold:kv_guard_kl", "KV quality guard: KL vs auto in nats/token (budget, predicted as "
+                       "the sum of the layers', measured on the whole mix) on the calibration text.",
+                       ["model_name", "guard", "kind"], registry=self.registry)
+            for kind in ("budget", "predicted_kl", "measured_kl"):
+                kl.labels(self._model_name, guard["guard"], kind.removesuffix("_kl")).set(guard[kind])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

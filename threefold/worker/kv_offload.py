@@ -64,8 +64,10 @@ class BlockCodec:
 
     def __init__(self, cache: PagedKVCache, offload_codec: KVCodec) -> None:
         self.cache = cache
-        self.pool_codec, self.codec = cache.codec, offload_codec
-        self.transcode = str(offload_codec.spec) != str(cache.codec.spec)
+        assert cache.codec is not None, "a per-layer codec mix has no offload (the engine refuses it)"
+        self.pool_codec: KVCodec = cache.codec
+        self.codec = offload_codec
+        self.transcode = str(offload_codec.spec) != str(self.pool_codec.spec)
         self.block_size = cache.block_size
         sample = offload_codec.allocate(1, self.block_size, torch.device("cpu"))
         self.part_shapes = [(p.dtype, p.shape[2:]) for p in _parts(sample)]
