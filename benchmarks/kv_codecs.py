@@ -14,6 +14,7 @@ against `auto` and top-1 agreement over all positions. Speed: one layer's decode
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -26,30 +27,31 @@ from threefold.bench.sharegpt import dialogue, open_sharegpt
 from threefold.cpu import cpu_info
 from threefold.engine.llm import LLM
 from threefold.kernels import cpu_kernels
+from threefold.kv.capacity import mix_geometry
+from threefold.kv.mix import is_mix, parse_mix
 from threefold.kv.native import decode_attention
 from threefold.kv.registry import make_codec
+from threefold.kv.spec import parse_kv_spec
 
 DEFAULT_CODECS = "auto,int8,fp8,fp8_e5m2,int4,kivi2,kivi4"
 
 
 def block_size_for(spec: str) -> int:
-    """16, or KIVI's group (its blocks hold whole key groups)."""
-    codec = make_codec(spec, 1, 128, torch.float32)
-    return max(16, getattr(codec, "group", 16))
+    """16, or KIVI's group (its blocks hold whole key groups; a mix: every KIVI layer's)."""
+    specs = set(parse_mix(spec)) if is_mix(spec) else {parse_kv_spec(spec)}
+    groups = [getattr(make_codec(s, 1, 128, torch.float32), "group", 16) for s in specs]
+    return max(16, *groups)
 
 
 def memory_rows(config, codecs: list[str], dtype: torch.dtype) -> list[dict]:
     """Bytes per token with everything counted: blocks, plus (KIVI) one request's full-precision
-    window amortized over a 1k or 4k context."""
+    window amortized over a 1k or 4k context. A per-layer mix counts each layer's codec."""
     rows = []
     for spec in codecs:
-        codec = make_codec(spec, config.num_kv_heads, config.head_dim, dtype)
-        block_size = block_size_for(spec)
-        per_token = config.num_layers * codec.bytes_per_block(block_size) / block_size
-        element = torch.empty((), dtype=dtype).element_size()
-        window = codec.window_tokens(block_size) * config.num_layers * 2 * config.num_kv_heads * config.head_dim \
-            * element
-        rows.append({"codec": str(codec.spec), "block_bytes_per_token": per_token,
+        block_size, block_bytes, window = mix_geometry(dataclasses.replace(config, dtype=dtype), spec,
+                                                       block_size_for(spec))
+        per_token = block_bytes / block_size
+        rows.append({"codec": spec, "block_bytes_per_token": per_token,
                      "window_bytes_per_seq": window,
                      "bytes_per_token_1k": per_token + window / 1024, "bytes_per_token_4k": per_token + window / 4096,
                      "tokens_in_256MiB_at_4k": int((256 << 20) // (per_token + window / 4096))})
@@ -164,6 +166,22 @@ def kivi_decode_time(codec, config, length: int, batch: int, dtype: torch.dtype,
     return best
 
 
+def guard_mixes(loaded, guard: str, budgets: list[float]) -> tuple[list[str], list[dict]]:
+    """Calibrate `guard` at each budget (ShareGPT train split, as the engine does at startup);
+    the chosen mixes then go through memory and quality like any codec (test split)."""
+    from threefold.config import CacheConfig
+    from threefold.engine.kv_guard import resolve_guard
+
+    mixes, rows = [], []
+    for budget in budgets:
+        cache = CacheConfig(block_size=block_size_for(guard.removeprefix("guard:").split(">")[0]),
+                            kv_cache_dtype=guard, kv_quality_budget=budget)
+        resolved, result = resolve_guard(loaded, cache, loaded.max_model_len)
+        mixes.append(resolved.kv_cache_dtype)
+        rows.append(dataclasses.asdict(result))
+    return mixes, rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2-135m")
@@ -174,17 +192,25 @@ def main() -> None:
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--skip-speed", action="store_true", help="memory and quality only (no timing: no lock)")
     parser.add_argument("--speed-dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--guard", default=None, help="e.g. guard:kivi2: calibrate it and add its mixes as rows")
+    parser.add_argument("--guard-budgets", default="0.01", help="KL budgets (nats/token) for --guard, comma-separated")
     ns = parser.parse_args()
     from threefold.model.loader import load_model
 
     codecs = ns.codecs.split(",")
     loaded = load_model(ns.model, dtype="float32")
-    result = {"cpu": cpu_info().describe(), "machine": platform.machine(), "model": ns.model,
+    result: dict = {"cpu": cpu_info().describe(), "machine": platform.machine(), "model": ns.model}
+    if ns.guard:
+        mixes, result["guard"] = guard_mixes(loaded, ns.guard, [float(b) for b in ns.guard_budgets.split(",")])
+        print(json.dumps(result["guard"], indent=1), flush=True)
+        codecs += mixes
+    result |= {
               "memory_bf16": memory_rows(loaded.config, codecs, torch.bfloat16),
               "memory_fp32": memory_rows(loaded.config, codecs, torch.float32)}
-    print(json.dumps(result, indent=1, default=str), flush=True)
+    print(json.dumps({k: result[k] for k in ("memory_bf16", "memory_fp32")}, indent=1, default=str), flush=True)
     if not ns.skip_speed:
-        result["speed"] = speed_rows(loaded.config, codecs, getattr(torch, ns.speed_dtype))
+        plain = [c for c in codecs if not is_mix(c)]  # a mix's speed is its layers' (per-codec rows)
+        result["speed"] = speed_rows(loaded.config, plain, getattr(torch, ns.speed_dtype))
         print(json.dumps(result["speed"], indent=1), flush=True)
     if not ns.skip_quality:
         seqs = contexts(loaded.tokenizer, ns.contexts, ns.context_tokens)

@@ -7,6 +7,7 @@ import math
 import torch
 
 from threefold.kv.codecs.kivi import KiviCodec
+from threefold.kv.mix import layer_specs, mix_text
 from threefold.kv.registry import make_codec
 from threefold.kv.window import WindowArena, window_slots
 
@@ -30,20 +31,31 @@ def arch_config(model: str, dtype: str = "auto"):
     return gguf_loader.gguf_arch_config(reader, precision.compute)
 
 
+def mix_geometry(config, spec: str, block_size: int) -> tuple[int, int, int]:
+    """(block size, bytes per block of all layers, one request's window bytes) of a plain spec or a
+    per-layer mix, at a block size that is a multiple of every KIVI layer's group."""
+    specs = layer_specs(spec, config.num_layers)
+    made = {text: make_codec(s, config.num_kv_heads, config.head_dim, config.dtype)
+            for text, s in {str(s): s for s in specs}.items()}  # one codec per distinct spec
+    codecs = [made[str(s)] for s in specs]
+    block = math.lcm(block_size, *(c.group for c in made.values() if isinstance(c, KiviCodec)))
+    windowed = [c.window_tokens(block) for c in codecs if c.window_tokens(block)]
+    window = WindowArena.bytes_per_slot(len(windowed), max(windowed), config.num_kv_heads, config.head_dim,
+                                        config.dtype) if windowed else 0
+    return block, sum(c.bytes_per_block(block) for c in codecs), window
+
+
 def capacity_rows(config, budget_bytes: int, block_size: int = 16,
                   codecs: tuple[str, ...] = SHOWN_CODECS, max_num_seqs: int = 256) -> list[dict]:
-    """Per codec: resolved spec, bytes per token (all layers, codes + scales + zeros), tokens in the
-    budget. A windowed codec (KIVI) first sets aside its requests' full-precision windows, as the
-    engine does, at a block size that is a multiple of its group."""
+    """Per codec (or per-layer mix): resolved spec, bytes per token (all layers, codes + scales +
+    zeros), tokens in the budget. A windowed codec (KIVI) first sets aside its requests'
+    full-precision windows, as the engine does, at a block size that is a multiple of its group."""
     rows = []
     for spec in codecs:
-        codec = make_codec(spec, config.num_kv_heads, config.head_dim, config.dtype)
-        block = math.lcm(block_size, codec.group) if isinstance(codec, KiviCodec) else block_size
-        block_bytes = config.num_layers * codec.bytes_per_block(block)
-        window = WindowArena.bytes_per_slot(config.num_layers, codec.window_tokens(block), config.num_kv_heads,
-                                            config.head_dim, config.dtype)
+        block, block_bytes, window = mix_geometry(config, spec, block_size)
         seqs = window_slots(budget_bytes, window, max_num_seqs) if window else max_num_seqs
-        rows.append({"kv_cache_dtype": str(codec.spec), "bytes_per_token": block_bytes / block,
+        rows.append({"kv_cache_dtype": mix_text(layer_specs(spec, config.num_layers)),
+                     "bytes_per_token": block_bytes / block,
                      "capacity_tokens": (budget_bytes - (seqs * window if window else 0)) // block_bytes * block,
                      "window_bytes_per_seq": window, "max_num_seqs": seqs})
     return rows
