@@ -166,7 +166,7 @@ def kivi_decode_time(codec, config, length: int, batch: int, dtype: torch.dtype,
     return best
 
 
-def guard_mixes(loaded, guard: str, budgets: list[float]) -> tuple[list[str], list[dict]]:
+def guard_mixes(loaded, guard: str, budgets: list[float], num_tokens: int) -> tuple[list[str], list[dict]]:
     """Calibrate `guard` at each budget (ShareGPT train split, as the engine does at startup);
     the chosen mixes then go through memory and quality like any codec (test split)."""
     from threefold.config import CacheConfig
@@ -176,7 +176,7 @@ def guard_mixes(loaded, guard: str, budgets: list[float]) -> tuple[list[str], li
     for budget in budgets:
         cache = CacheConfig(block_size=block_size_for(guard.removeprefix("guard:").split(">")[0]),
                             kv_cache_dtype=guard, kv_quality_budget=budget)
-        resolved, result = resolve_guard(loaded, cache, loaded.max_model_len)
+        resolved, result = resolve_guard(loaded, cache, loaded.max_model_len, num_tokens)
         mixes.append(resolved.kv_cache_dtype)
         rows.append(dataclasses.asdict(result))
     return mixes, rows
@@ -194,6 +194,7 @@ def main() -> None:
     parser.add_argument("--speed-dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--guard", default=None, help="e.g. guard:kivi2: calibrate it and add its mixes as rows")
     parser.add_argument("--guard-budgets", default="0.01", help="KL budgets (nats/token) for --guard, comma-separated")
+    parser.add_argument("--guard-tokens", type=int, default=512, help="calibration tokens (the engine's default: 512)")
     ns = parser.parse_args()
     from threefold.model.loader import load_model
 
@@ -201,7 +202,8 @@ def main() -> None:
     loaded = load_model(ns.model, dtype="float32")
     result: dict = {"cpu": cpu_info().describe(), "machine": platform.machine(), "model": ns.model}
     if ns.guard:
-        mixes, result["guard"] = guard_mixes(loaded, ns.guard, [float(b) for b in ns.guard_budgets.split(",")])
+        budgets = [float(b) for b in ns.guard_budgets.split(",")]
+        mixes, result["guard"] = guard_mixes(loaded, ns.guard, budgets, ns.guard_tokens)
         print(json.dumps(result["guard"], indent=1), flush=True)
         codecs += mixes
     result |= {

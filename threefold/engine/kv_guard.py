@@ -74,13 +74,13 @@ class GuardResult:
     seconds: float
 
 
-def resolve_guard(loaded: LoadedModel, cache: CacheConfig,
-                  max_model_len: int) -> tuple[CacheConfig, GuardResult | None]:
+def resolve_guard(loaded: LoadedModel, cache: CacheConfig, max_model_len: int,
+                  num_tokens: int = CALIBRATION_TOKENS) -> tuple[CacheConfig, GuardResult | None]:
     """A guard: cache config calibrated into its mix (other configs pass through unchanged)."""
     if not is_guard(cache.kv_cache_dtype):
         return cache, None
     assert cache.kv_quality_budget is not None  # CacheConfig checks it
-    limit = min(CALIBRATION_TOKENS, max_model_len - 1)
+    limit = min(num_tokens, max_model_len - 1)
     tokens = calibration_tokens(loaded.tokenizer, cache.kv_guard_calibration, limit)
     guard = parse_guard(cache.kv_cache_dtype)
     path = _result_path(loaded, guard, cache.kv_quality_budget, tokens, cache.block_size)
