@@ -189,7 +189,7 @@ def tiny_dead_layer(tmp_path_factory):
 @pytest.fixture(scope="module")
 def calibration_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("text") / "calibration.txt"
-    path.write_text("The cat sat on the mat and looked at the garden, where the rain had stopped. " * 20)
+    path.write_text("The cat sat on the mat and looked at the garden, where the rain had stopped. " * 8)
     return str(path)
 
 
@@ -221,7 +221,7 @@ def test_the_guard_keeps_the_damaged_layer_and_compresses_the_harmless_one(
 def test_the_guard_measures_the_damage_per_layer(drop_values, tiny_dead_layer, calibration_file):
     from threefold.engine.kv_guard import calibrate, calibration_tokens
 
-    tokens = calibration_tokens(tiny_dead_layer.tokenizer, calibration_file, 200)
+    tokens = calibration_tokens(tiny_dead_layer.tokenizer, calibration_file, 128)
     result = calibrate(tiny_dead_layer, parse_guard("guard:dropv>auto"), 0.01, tokens, 16)
     assert result.mix == "mix:auto@0;dropv@1" and result.measured_kl == result.layer_kl[0] == 0.0
     assert result.num_probes == 3  # dropv on layer 0 and on layer 1, auto on layer 0 (exact: not run)
@@ -251,7 +251,7 @@ def test_the_layer_probe_agrees_with_the_engine_through_the_cache(tiny_dead_laye
     from threefold.engine.kv_guard import _Scorer, calibration_tokens
     from threefold.worker.layer_probe import LayerProbe
 
-    tokens = calibration_tokens(tiny_dead_layer.tokenizer, calibration_file, 200)
+    tokens = calibration_tokens(tiny_dead_layer.tokenizer, calibration_file, 128)
     codec = make_codec(spec, 2, 16, torch.float32)
     probed = LayerProbe(tiny_dead_layer.model, tokens, 16).kl(0, codec)
     through_cache = _Scorer(tiny_dead_layer, tokens, 16).kl(mix_text([parse_kv_spec(spec), parse_kv_spec("auto")]))
