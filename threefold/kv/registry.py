@@ -8,6 +8,7 @@ from threefold.kv.codec import DenseCodec, KVCodec
 from threefold.kv.codecs.gear import GearCodec
 from threefold.kv.codecs.kivi import KiviCodec
 from threefold.kv.codecs.scaled import Fp8Codec, Int4Codec, Int8Codec
+from threefold.kv.codecs.turboquant import TurboQuantCodec
 from threefold.kv.spec import KVSpec, parse_kv_spec
 
 CODECS: dict[str, type[KVCodec]] = {
@@ -19,6 +20,7 @@ CODECS: dict[str, type[KVCodec]] = {
     "kivi2": KiviCodec,
     "kivi4": KiviCodec,
     "gear": GearCodec,
+    "turboquant": TurboQuantCodec,
 }
 
 

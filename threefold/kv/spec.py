@@ -66,6 +66,10 @@ SCHEMAS: dict[str, dict[str, Param]] = {
     "kivi2": _KIVI,
     "kivi4": _KIVI,
     "gear": _GEAR,
+    "turboquant": {"kbits": Param(3, (1, 2, 3, 4), "Lloyd-Max bits per rotated key coordinate"),
+                   "vbits": Param(2, (1, 2, 3, 4), "Lloyd-Max bits per rotated value coordinate"),
+                   "qjl": Param(1, (0, 1), "1: add the 1-bit QJL residual to keys (unbiased scores)"),
+                   "seed": Param(0, range(0, 2 ** 31), "seed of the random signs and the QJL projection")},
 }
 """Every codec's parameters. A new codec adds one line here and one class in kv/codecs."""
 
