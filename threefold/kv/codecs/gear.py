@@ -109,9 +109,10 @@ class GearCodec(KiviCodec):
             p = residual.transpose(-1, -2) @ q
         return q, p
 
-    def decompress(self, kivi: tuple[torch.Tensor, ...], values: torch.Tensor, index: torch.Tensor,
-                   factor_q: torch.Tensor, factor_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def decompress(self, kivi: tuple[torch.Tensor, ...],
+                   extra: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """The inverse of `compress` (fp32): K, V [n, bs, kvh, d]."""
+        values, index, factor_q, factor_p = extra
         x = torch.stack(self.dequantize(*kivi)).permute(0, 1, 3, 2, 4)  # [2, n, kvh, bs, d]
         x = x + factor_q.float() @ factor_p.float().transpose(-1, -2)
         x = x.flatten(-2).scatter(-1, index.long(), values.float()).view(x.shape).permute(0, 1, 3, 2, 4)
@@ -133,7 +134,7 @@ class GearCodec(KiviCodec):
         kivi = (storage.codes[0].index_select(0, block_ids), storage.codes[1].index_select(0, block_ids),
                 *(t.index_select(0, block_ids) for t in (storage.k_scales, storage.k_zeros,
                                                          storage.v_scales, storage.v_zeros)))
-        k, v = self.decompress(kivi, *(t.index_select(1, block_ids) for t in self._extra(storage)))
+        k, v = self.decompress(kivi, tuple(t.index_select(1, block_ids) for t in self._extra(storage)))
         return k.flatten(0, 1).to(self.compute_dtype), v.flatten(0, 1).to(self.compute_dtype)
 
     @staticmethod
