@@ -118,6 +118,9 @@ class GearCodec(KiviCodec):
         x = x.flatten(-2).scatter(-1, index.long(), values.float()).view(x.shape).permute(0, 1, 3, 2, 4)
         return x[0], x[1]
 
+    def reconstruct(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decompress(*self.compress(k, v))
+
     def encode(self, storage: KiviStorage, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         assert isinstance(storage, GearStorage)
         kivi, extra = self.compress(k, v)

@@ -151,6 +151,19 @@ class KiviCodec(KVCodec[KiviStorage]):
                                                                         storage.v_scales, storage.v_zeros)))
         return k.flatten(0, 1).to(self.compute_dtype), v.flatten(0, 1).to(self.compute_dtype)
 
+    def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [T, kvh, d] as their blocks read once encoded, in blocks of G tokens (the smallest
+        block allowed); a last partial block stays exact, as it would in the window."""
+        full = k.shape[0] // self.group * self.group
+        blocks = (-1, self.group, *k.shape[1:])
+        k_hat, v_hat = self.reconstruct(k[:full].reshape(blocks), v[:full].reshape(blocks))
+        return (torch.cat([k_hat.flatten(0, 1).to(self.compute_dtype), k[full:]]),
+                torch.cat([v_hat.flatten(0, 1).to(self.compute_dtype), v[full:]]))
+
+    def reconstruct(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole blocks k, v [n, bs, kvh, d] -> as read back after `encode` (fp32)."""
+        return self.dequantize(*self.quantize(k, v))
+
     def write(self, storage: KiviStorage, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise TypeError("KIVI blocks are encoded whole (encode), through the request's window")
 
