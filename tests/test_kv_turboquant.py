@@ -65,7 +65,10 @@ def test_codes_signs_and_norms_match_the_reference():
     storage = codec.allocate(4, 16, torch.device("cpu"))
     slots = torch.randperm(64, generator=gen)[:40]
     codec.write(storage, slots, k, v)
-    rows = (lambda t: t.view(-1, *t.shape[2:])[slots])
+
+    def rows(t):
+        return t.view(-1, *t.shape[2:])[slots]
+
     for x, planes, book, norm in ((k, storage.k_codes, codec.k_book, 0), (v, storage.v_codes, codec.v_book, 1)):
         y = torch.einsum("thd,hed->the", x / x.norm(dim=-1, keepdim=True).clamp_min(1e-30), codec.rotation)
         ref = (y.unsqueeze(-1) - book[0]).abs().argmin(-1)  # nearest centroid

@@ -52,8 +52,8 @@ _KIVI = {"group": Param(32, _GROUPS, "tokens per key scale (keys per channel) an
 
 _GEAR = {"bits": Param(2, (2, 4), "bits of the KIVI backbone's codes"),
          **_KIVI,
-         "rank": Param(2, range(0, 17), "rank of the low-rank residual per block and KV head (0: none)"),
-         "outliers": Param(20, range(0, 101), "outliers kept exact, in PER-MILLE of a block-head's entries "
+         "rank": Param(2, range(17), "rank of the low-rank residual per block and KV head (0: none)"),
+         "outliers": Param(20, range(101), "outliers kept exact, in PER-MILLE of a block-head's entries "
                                               "(20 = 2%: the 1% largest and the 1% smallest)"),
          "loop": Param(3, range(1, 7), "power-iteration rounds for the low-rank residual")}
 
@@ -69,7 +69,7 @@ SCHEMAS: dict[str, dict[str, Param]] = {
     "turboquant": {"kbits": Param(3, (1, 2, 3, 4), "Lloyd-Max bits per rotated key coordinate"),
                    "vbits": Param(2, (1, 2, 3, 4), "Lloyd-Max bits per rotated value coordinate"),
                    "qjl": Param(1, (0, 1), "1: add the 1-bit QJL residual to keys (unbiased scores)"),
-                   "seed": Param(0, range(0, 2 ** 31), "seed of the random signs and the QJL projection")},
+                   "seed": Param(0, range(2 ** 31), "seed of the random signs and the QJL projection")},
 }
 """Every codec's parameters. A new codec adds one line here and one class in kv/codecs."""
 

@@ -164,7 +164,8 @@ class TurboQuantCodec(KVCodec[TurboStorage]):
         k, v = self.dequantize(storage.k_codes.index_select(0, blocks), storage.k_signs.index_select(0, blocks),
                                storage.v_codes.index_select(0, blocks), storage.norms.index_select(1, blocks))
         shape = (num_seqs, -1, self.num_kv_heads, self.head_dim)  # [B, nb * bs, kvh, d] -> [B, kvh, L, d]
-        return k.to(self.compute_dtype).view(shape).transpose(1, 2), v.to(self.compute_dtype).view(shape).transpose(1, 2)
+        k, v = (t.to(self.compute_dtype).view(shape).transpose(1, 2) for t in (k, v))
+        return k, v
 
     def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k_hat, v_hat = self.dequantize(*self.quantize(k, v))
