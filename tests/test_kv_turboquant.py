@@ -88,6 +88,11 @@ def test_codes_signs_and_norms_match_the_reference():
     # values: ||v - v^||^2 / ||v||^2 is the 2-bit distortion on average (rotation makes it data-independent)
     error = ((read_v[0].transpose(0, 1)[slots] - v).norm(dim=-1) / v.norm(dim=-1)) ** 2
     assert 0.08 < error.mean() < 0.16
+    mse_only = make_codec("turboquant:qjl=0", kvh, d, torch.float32)  # no sign plane, no residual norm
+    storage = mse_only.allocate(4, 16, torch.device("cpu"))
+    mse_only.write(storage, slots, k, v)
+    read_k = mse_only.read(storage, torch.arange(4).view(1, 4))[0][0].transpose(0, 1)[slots]
+    torch.testing.assert_close(read_k, mse_only.round_trip(k, v)[0])
 
 
 def test_attention_scores_are_unbiased_over_seeds():

@@ -156,7 +156,8 @@ class TurboQuantCodec(KVCodec[TurboStorage]):
     def write(self, storage: TurboStorage, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k_codes, k_signs, v_codes, norms = self.quantize(k, v)
         for dst, src in ((storage.k_codes, k_codes), (storage.k_signs, k_signs), (storage.v_codes, v_codes)):
-            dst.view(-1, *dst.shape[2:]).index_copy_(0, slot_mapping, src)
+            if dst.numel():  # (no sign plane without QJL)
+                dst.view(-1, *dst.shape[2:]).index_copy_(0, slot_mapping, src)
         storage.norms.view(len(norms), -1, self.num_kv_heads).index_copy_(1, slot_mapping, norms)
 
     def read(self, storage: TurboStorage, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
