@@ -94,6 +94,7 @@ def quality_rows(loaded, codecs: list[str], seqs: list[list[int]], chunk: int) -
             count += len(targets)
         rows.append({"codec": spec, "ppl": math.exp(nll / count), "kl_vs_auto": kl / count,
                      "top1_agreement": agree / count, "positions": int(count)})
+        print(json.dumps(rows[-1]), flush=True)  # as it goes: a later codec's failure keeps these
     return rows
 
 
