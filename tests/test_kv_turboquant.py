@@ -21,7 +21,7 @@ from prompts import PROMPTS
 
 
 def test_spec_defaults_and_bad_specs():
-    assert str(parse_kv_spec("turboquant")) == "turboquant:kbits=3,vbits=2,qjl=1,seed=0"
+    assert str(parse_kv_spec("turboquant")) == "turboquant:kbits=3,vbits=2,qjl=1,seed=0,residual=0"
     for text, needle in [("turboquant:kbits=5", "kbits=5 is out of range; kbits in [1, 2, 3, 4]"),
                          ("turboquant:qjl=2", "qjl=2 is out of range; qjl in [0, 1]"),
                          ("turboquant:bits=3", "unknown parameter 'bits'")]:
@@ -147,6 +147,35 @@ def test_fidelity_on_real_smollm2_kv(smollm2_fp32):
     # measured: 0.986, 0.919, 0.897 (128 tokens of these prompts; the benchmark scores 1k contexts)
     assert cosines["turboquant:kbits=4,vbits=4,qjl=0"] > 0.97 and cosines["turboquant"] > 0.85, cosines
     assert cosines["turboquant:kbits=4,vbits=4,qjl=0"] > cosines["turboquant:qjl=0"]
+
+
+def test_behind_a_window_recent_tokens_are_exact():
+    """residual > 0: KIVI's window rules (kv/window.py), blocks read back as `round_trip` gives them."""
+    from threefold.kv.paged import PagedKVCache
+    from threefold.kv.window import WindowArena
+    from threefold.worker.kivi_attention import KiviAttention, KiviRequest
+
+    kvh, d, heads, bs, n = 2, 16, 4, 8, 40
+    codec = make_codec("turboquant:residual=16", kvh, d, torch.float32)
+    assert codec.window_tokens(bs) == 24 and make_codec("turboquant", kvh, d, torch.float32).window_tokens(bs) == 0
+    cache = PagedKVCache(codec, 1, 8, bs, torch.device("cpu"))
+    arena = WindowArena(1, 1, codec.window_tokens(bs), kvh, d, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(n, h, d, generator=gen) for h in (heads, kvh, kvh))
+    window, blocks, outs = arena.acquire("r", 0), torch.arange(1, 8), []
+    for pos in range(0, n, 4):  # chunks of 4, as a chunked prefill
+        request = KiviRequest(0, 4, pos, blocks[: (pos + 4 - 1) // bs + 1], window)
+        outs.append(KiviAttention(cache, arena, [request], d ** -0.5, codec.residual)(
+            0, q[pos:pos + 4], k[pos:pos + 4], v[pos:pos + 4]))
+        window.filled = pos + 4
+    got = torch.cat(outs)
+    kc, vc = codec.round_trip(k, v)
+    for p in range(n):
+        nq = max(0, (p + 1 - codec.residual) // bs * bs)
+        keys = torch.cat([kc[:nq], k[nq:p + 1]]).repeat_interleave(2, 1)
+        values = torch.cat([vc[:nq], v[nq:p + 1]]).repeat_interleave(2, 1)
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[p], keys) * d ** -0.5, -1)
+        torch.testing.assert_close(got[p], torch.einsum("hn,nhd->hd", weights, values), atol=2e-5, rtol=1e-5)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

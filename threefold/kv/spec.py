@@ -69,7 +69,9 @@ SCHEMAS: dict[str, dict[str, Param]] = {
     "turboquant": {"kbits": Param(3, (1, 2, 3, 4), "Lloyd-Max bits per rotated key coordinate"),
                    "vbits": Param(2, (1, 2, 3, 4), "Lloyd-Max bits per rotated value coordinate"),
                    "qjl": Param(1, (0, 1), "1: add the 1-bit QJL residual to keys (unbiased scores)"),
-                   "seed": Param(0, range(2 ** 31), "seed of the random signs and the QJL projection")},
+                   "seed": Param(0, range(2 ** 31), "seed of the random signs and the QJL projection"),
+                   "residual": Param(0, range(0, 1025, 8), "recent tokens kept in full precision, as KIVI's "
+                                                           "window (0: none, every token compressed)")},
 }
 """Every codec's parameters. A new codec adds one line here and one class in kv/codecs."""
 
@@ -94,7 +96,7 @@ def parse_kv_spec(text: str) -> KVSpec:
     given = _parse_params(text, rest, schema)
     params = tuple((key, given.get(key, p.default)) for key, p in schema.items())
     spec = KVSpec(name, params)
-    if "residual" in schema and spec["residual"] % spec["group"]:
+    if "group" in schema and "residual" in schema and spec["residual"] % spec["group"]:
         raise ThreefoldError(f"kv_cache_dtype {text!r}: residual={spec['residual']} must be a multiple of "
                              f"group={spec['group']} (the window is quantized a whole group at a time).",
                              param="kv_cache_dtype")

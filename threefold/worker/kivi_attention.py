@@ -22,9 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from threefold.kv.codecs.kivi import KiviCodec
 from threefold.kv.paged import PagedKVCache
-from threefold.kv.window import Window, WindowArena
+from threefold.kv.window import Window, WindowArena, WindowedCodec
 
 _ROWS = 256
 """Query rows per SDPA call: bounds the [H, rows, keys] scores of a long first chunk."""
@@ -45,8 +44,8 @@ class KiviAttention:
 
     def __init__(self, cache: PagedKVCache, arena: WindowArena, requests: list[KiviRequest], scale: float,
                  residual: int) -> None:
-        assert isinstance(cache.codec, KiviCodec)
-        self.codec: KiviCodec = cache.codec
+        assert cache.codec.window_tokens(cache.block_size), cache.codec.spec
+        self.codec: WindowedCodec = cache.codec  # type: ignore[assignment]  # a windowed codec (asserted)
         self.cache = cache
         self.arena = arena
         self.requests = requests
@@ -111,11 +110,11 @@ class KiviAttention:
 def build_kivi_attention(cache: PagedKVCache, arena: WindowArena, order, query_starts: list[int],
                          query_lens: list[int], block_ids, scale: float) -> KiviAttention:
     """One step's KiviAttention; `block_ids(state)` lists a request's blocks."""
-    assert isinstance(cache.codec, KiviCodec)
+    assert cache.codec.window_tokens(cache.block_size), cache.codec.spec
     requests = []
     for state, start, n in zip(order, query_starts, query_lens, strict=True):
         ctx = state.num_computed_tokens
         num_blocks = -(-(ctx + n) // cache.block_size)
         ids = torch.tensor(block_ids(state)[:num_blocks], dtype=torch.long, device=arena.ring.device)
         requests.append(KiviRequest(start, n, ctx, ids, arena.acquire(state.request_id, ctx)))
-    return KiviAttention(cache, arena, requests, scale, cache.codec.residual)
+    return KiviAttention(cache, arena, requests, scale, cache.codec.residual)  # type: ignore[attr-defined]

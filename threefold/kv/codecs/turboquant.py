@@ -22,6 +22,8 @@ as KIVI packs its 1-bit case):
 
 A token's codes depend on that token alone, so prefix caching and preemption see plain blocks.
 There is no native kernel yet: attention reads through the reference path (`KVLayout.read`).
+`residual` > 0 puts KIVI's full-precision window (kv/window.py) in front: blocks are then encoded
+whole as they leave it, and read through worker/kivi_attention.py.
 """
 
 from __future__ import annotations
@@ -93,12 +95,28 @@ class TurboQuantCodec(KVCodec[TurboStorage]):
             raise ThreefoldError(f"kv_cache_dtype {spec} needs head_dim a power of two >= 8 (the Hadamard "
                                  f"rotation); this model's is {head_dim}.", param="kv_cache_dtype")
         self.kbits, self.vbits, self.qjl = spec["kbits"], spec["vbits"], bool(spec["qjl"])
+        self.residual = spec["residual"]
         gen = torch.Generator().manual_seed(spec["seed"])
         signs = torch.randint(0, 2, (num_kv_heads, head_dim), generator=gen).float() * 2 - 1
         self.rotation = hadamard(head_dim) * signs.unsqueeze(1) / math.sqrt(head_dim)  # [kvh, d, d]: y = x @ R^T
         self.projection = torch.randn(num_kv_heads, head_dim, head_dim, generator=gen)  # S [kvh, m = d, d]
         self.k_book = lloyd_max(head_dim, self.kbits)
         self.v_book = lloyd_max(head_dim, self.vbits)
+
+    def window_tokens(self, block_size: int) -> int:
+        """residual > 0: KIVI's window (kv/window.py): R recent tokens + the block being filled stay exact."""
+        return self.residual + block_size if self.residual else 0
+
+    def encode(self, storage: TurboStorage, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Whole blocks k, v [n, block_size, kvh, d] (the windowed path): each token as `write`s."""
+        block_size = k.shape[1]
+        slots = (block_ids.unsqueeze(1) * block_size + torch.arange(block_size, device=k.device)).flatten()
+        self.write(storage, slots, k.flatten(0, 1), v.flatten(0, 1))
+
+    def read_blocks(self, storage: TurboStorage, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks [n] -> K, V [n * block_size, kvh, d] in the compute dtype."""
+        k, v = self.read(storage, block_ids.unsqueeze(0))  # [1, kvh, n * bs, d]
+        return k[0].transpose(0, 1), v[0].transpose(0, 1)
 
     def bytes_per_block(self, block_size: int) -> int:
         planes = self.kbits + self.vbits + (1 if self.qjl else 0)
