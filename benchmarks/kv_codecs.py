@@ -34,6 +34,18 @@ from threefold.kv.registry import make_codec
 DEFAULT_CODECS = "auto,int8,fp8,fp8_e5m2,int4,kivi2,kivi4,gear,turboquant"
 
 
+def split_specs(text: str) -> list[str]:
+    """"auto,gear:rank=1,outliers=0,kivi2" -> ["auto", "gear:rank=1,outliers=0", "kivi2"]: a part
+    with "=" and no ":" is one more parameter of the spec before it."""
+    specs: list[str] = []
+    for part in text.split(","):
+        if "=" in part and ":" not in part and specs:
+            specs[-1] += "," + part
+        else:
+            specs.append(part)
+    return specs
+
+
 def block_size_for(spec: str) -> int:
     """16, or KIVI's group (its blocks hold whole key groups)."""
     codec = make_codec(spec, 1, 128, torch.float32)
@@ -220,7 +232,7 @@ def main() -> None:
     ns = parser.parse_args()
     from threefold.model.loader import load_model
 
-    codecs = ns.codecs.split(",")
+    codecs = split_specs(ns.codecs)
     loaded = load_model(ns.model, dtype="float32")
     result = {"cpu": cpu_info().describe(), "machine": platform.machine(), "model": ns.model,
               "memory_bf16": memory_rows(loaded.config, codecs, torch.bfloat16),
