@@ -179,7 +179,7 @@ def test_window_tokens_are_exact_and_blocks_read_as_compressed():
 
 # ---- the engine ------------------------------------------------------------------------------
 GEAR = "gear:group=16,residual=16"
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 def test_engine_batch_invariance_and_everything_given_back(make_llm):
