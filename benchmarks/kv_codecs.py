@@ -7,8 +7,10 @@ Memory: bytes per token (everything a block stores, all layers) and tokens in 25
 the model's KV geometry. Quality: ShareGPT test-split conversations concatenated into
 contexts of >= 1024 tokens, scored position by position with prefill chunks of 64 tokens,
 so every chunk after the first reads its context back from the compressed cache; ppl, KL
-against `auto` and top-1 agreement over all positions. Speed: one layer's decode attention
-(native kernel; KIVI: its plain-torch path) per token at 1k and 4k contexts, batch 4, against `auto`.
+against `auto` and top-1 agreement over all positions. Fidelity: the model's real K/V of the
+first context round-tripped through each codec, attention recomputed (cosines, top-1 key).
+Speed: one layer's decode attention (native kernel; KIVI, GEAR, TurboQuant: their plain-torch
+path) per token at 1k and 4k contexts, batch 4, against `auto`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,19 @@ from threefold.kv.native import decode_attention
 from threefold.kv.registry import make_codec
 from threefold.kv.spec import parse_kv_spec
 
-DEFAULT_CODECS = "auto,int8,fp8,fp8_e5m2,int4,kivi2,kivi4"
+DEFAULT_CODECS = "auto,int8,fp8,fp8_e5m2,int4,kivi2,kivi4,gear,turboquant"
+
+
+def split_specs(text: str) -> list[str]:
+    """"auto,gear:rank=1,outliers=0,kivi2" -> ["auto", "gear:rank=1,outliers=0", "kivi2"]: a part
+    with "=" and no ":" is one more parameter of the spec before it."""
+    specs: list[str] = []
+    for part in text.split(","):
+        if "=" in part and ":" not in part and specs:
+            specs[-1] += "," + part
+        else:
+            specs.append(part)
+    return specs
 
 
 def block_size_for(spec: str) -> int:
@@ -94,6 +108,46 @@ def quality_rows(loaded, codecs: list[str], seqs: list[list[int]], chunk: int) -
             count += len(targets)
         rows.append({"codec": spec, "ppl": math.exp(nll / count), "kl_vs_auto": kl / count,
                      "top1_agreement": agree / count, "positions": int(count)})
+        print(json.dumps(rows[-1]), flush=True)  # as it goes: a later codec's failure keeps these
+    return rows
+
+
+def fidelity_rows(loaded, codecs: list[str], ids: list[int], skip: int = 256) -> list[dict]:
+    """Real K/V/Q of one causal forward over `ids`; per codec, every layer's K/V round-tripped whole
+    (windowed codecs: every full block compressed, no window) and attention recomputed. Means over
+    layers, query rows >= `skip` (most of their keys compressed), heads: cosine of K and V rows to
+    the exact ones, cosine of attention outputs, and how often the most-attended key is the same."""
+    import torch.nn.functional as F
+
+    captured = []
+
+    def attention(layer_idx, q, k, v):
+        captured.append((q, k, v))
+        return causal(q, k, v)[0]
+
+    def causal(q, k, v):  # [T, H or kvh, d] -> output [T, H, d], weights [H, T, T]
+        group = q.shape[1] // k.shape[1]
+        keys, values = k.repeat_interleave(group, 1).transpose(0, 1), v.repeat_interleave(group, 1).transpose(0, 1)
+        scores = q.transpose(0, 1) @ keys.transpose(1, 2) * q.shape[-1] ** -0.5
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -torch.inf)
+        weights = scores.softmax(-1)
+        return (weights @ values).transpose(0, 1), weights
+
+    with torch.inference_mode():
+        loaded.model(torch.tensor(ids), torch.arange(len(ids)), attention)
+    config, rows = loaded.config, []
+    for spec in codecs:
+        codec = make_codec(spec, config.num_kv_heads, config.head_dim, torch.float32)
+        sums = {"k_cosine": 0.0, "v_cosine": 0.0, "attn_out_cosine": 0.0, "top1_key_agreement": 0.0}
+        for q, k, v in captured:
+            k_hat, v_hat = codec.round_trip(k, v)
+            (out, weights), (out_hat, weights_hat) = causal(q, k, v), causal(q, k_hat, v_hat)
+            sums["k_cosine"] += F.cosine_similarity(k_hat[skip:], k[skip:], dim=-1).mean().item()
+            sums["v_cosine"] += F.cosine_similarity(v_hat[skip:], v[skip:], dim=-1).mean().item()
+            sums["attn_out_cosine"] += F.cosine_similarity(out_hat[skip:], out[skip:], dim=-1).mean().item()
+            top1 = weights[:, skip:].argmax(-1) == weights_hat[:, skip:].argmax(-1)
+            sums["top1_key_agreement"] += top1.float().mean().item()
+        rows.append({"codec": str(codec.spec), **{key: total / len(captured) for key, total in sums.items()}})
     return rows
 
 
@@ -191,6 +245,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--skip-speed", action="store_true", help="memory and quality only (no timing: no lock)")
+    parser.add_argument("--skip-fidelity", action="store_true")
     parser.add_argument("--speed-dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--guard", default=None, help="e.g. guard:kivi2: calibrate it and add its mixes as rows")
     parser.add_argument("--guard-budgets", default="0.01", help="KL budgets (nats/token) for --guard, comma-separated")
@@ -198,7 +253,7 @@ def main() -> None:
     ns = parser.parse_args()
     from threefold.model.loader import load_model
 
-    codecs = ns.codecs.split(",")
+    codecs = split_specs(ns.codecs)
     loaded = load_model(ns.model, dtype="float32")
     result: dict = {"cpu": cpu_info().describe(), "machine": platform.machine(), "model": ns.model}
     if ns.guard:
@@ -214,8 +269,11 @@ def main() -> None:
         plain = [c for c in codecs if not is_mix(c)]  # a mix's speed is its layers' (per-codec rows)
         result["speed"] = speed_rows(loaded.config, plain, getattr(torch, ns.speed_dtype))
         print(json.dumps(result["speed"], indent=1), flush=True)
+    seqs = contexts(loaded.tokenizer, ns.contexts, ns.context_tokens)
+    if not ns.skip_fidelity:
+        result["fidelity"] = fidelity_rows(loaded, codecs, seqs[0])
+        print(json.dumps(result["fidelity"], indent=1), flush=True)
     if not ns.skip_quality:
-        seqs = contexts(loaded.tokenizer, ns.contexts, ns.context_tokens)
         result["quality"] = quality_rows(loaded, codecs, seqs, ns.chunk)
         print(json.dumps(result["quality"], indent=1), flush=True)
 

@@ -35,7 +35,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="most prompt + max_tokens of unfinished offline requests")
     parser.add_argument("--block-size", type=int, default=cache.block_size)
     parser.add_argument("--kv-cache-dtype", default=cache.kv_cache_dtype,
-                        help="KV codec: auto, int8, fp8 (=fp8_e4m3), fp8_e5m2, int4[:group=32], kivi2, kivi4; "
+                        help="KV codec: auto, int8, fp8 (=fp8_e4m3), fp8_e5m2, int4, kivi2, kivi4, gear, turboquant; "
+                             "parameters as name:key=value, e.g. kivi4:residual=64 (threefold.kv.spec lists them); "
                              "a per-layer mix mix:SPEC@LAYERS;...; or guard:BASE (with --kv-quality-budget)")
     add_guard_args(parser)
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",

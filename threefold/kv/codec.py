@@ -18,6 +18,7 @@ schema line in kv/spec.py and one registry line in kv/registry.py.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -42,6 +43,9 @@ class KVLayout:
     v_zeros: torch.Tensor | None = None
     lut: torch.Tensor | None = None
     """fp8: the 256 fp32 values of the code bytes (the kernel decodes by table lookup)."""
+    read: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    """A codec with no native kernel (turboquant): its reference `read` of a block table, which
+    kv/native.py's decode_attention then attends over in plain torch."""
 
 
 class KVCodec(ABC, Generic[StorageT]):

@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from threefold.kv.codec import DenseCodec, KVCodec
+from threefold.kv.codecs.gear import GearCodec
 from threefold.kv.codecs.kivi import KiviCodec
 from threefold.kv.codecs.scaled import Fp8Codec, Int4Codec, Int8Codec
+from threefold.kv.codecs.turboquant import TurboQuantCodec
 from threefold.kv.spec import KVSpec, parse_kv_spec
 
 CODECS: dict[str, type[KVCodec]] = {
@@ -17,6 +19,8 @@ CODECS: dict[str, type[KVCodec]] = {
     "int4": Int4Codec,
     "kivi2": KiviCodec,
     "kivi4": KiviCodec,
+    "gear": GearCodec,
+    "turboquant": TurboQuantCodec,
 }
 
 

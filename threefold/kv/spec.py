@@ -50,6 +50,13 @@ _GROUPS = (8, 16, 32, 64, 128)
 _KIVI = {"group": Param(32, _GROUPS, "tokens per key scale (keys per channel) and channels per value scale"),
          "residual": Param(128, range(0, 1025, 8), "recent tokens kept in full precision, a multiple of group")}
 
+_GEAR = {"bits": Param(2, (2, 4), "bits of the KIVI backbone's codes"),
+         **_KIVI,
+         "rank": Param(2, range(17), "rank of the low-rank residual per block and KV head (0: none)"),
+         "outliers": Param(20, range(101), "outliers kept exact, in PER-MILLE of a block-head's entries "
+                                              "(20 = 2%: the 1% largest and the 1% smallest)"),
+         "loop": Param(3, range(1, 7), "power-iteration rounds for the low-rank residual")}
+
 SCHEMAS: dict[str, dict[str, Param]] = {
     "auto": {},
     "int8": {},
@@ -58,6 +65,13 @@ SCHEMAS: dict[str, dict[str, Param]] = {
     "int4": {"group": Param(32, _GROUPS, "head_dim channels sharing one scale and zero point")},
     "kivi2": _KIVI,
     "kivi4": _KIVI,
+    "gear": _GEAR,
+    "turboquant": {"kbits": Param(3, (1, 2, 3, 4), "Lloyd-Max bits per rotated key coordinate"),
+                   "vbits": Param(2, (1, 2, 3, 4), "Lloyd-Max bits per rotated value coordinate"),
+                   "qjl": Param(1, (0, 1), "1: add the 1-bit QJL residual to keys (unbiased scores)"),
+                   "seed": Param(0, range(2 ** 31), "seed of the random signs and the QJL projection"),
+                   "residual": Param(0, range(0, 1025, 8), "recent tokens kept in full precision, as KIVI's "
+                                                           "window (0: none, every token compressed)")},
 }
 """Every codec's parameters. A new codec adds one line here and one class in kv/codecs."""
 
@@ -82,9 +96,9 @@ def parse_kv_spec(text: str) -> KVSpec:
     given = _parse_params(text, rest, schema)
     params = tuple((key, given.get(key, p.default)) for key, p in schema.items())
     spec = KVSpec(name, params)
-    if name.startswith("kivi") and spec["residual"] % spec["group"]:
+    if "group" in schema and "residual" in schema and spec["residual"] % spec["group"]:
         raise ThreefoldError(f"kv_cache_dtype {text!r}: residual={spec['residual']} must be a multiple of "
-                             f"group={spec['group']} (KIVI quantizes the window a whole group at a time).",
+                             f"group={spec['group']} (the window is quantized a whole group at a time).",
                              param="kv_cache_dtype")
     return spec
 
@@ -108,7 +122,8 @@ def _parse_params(text: str, rest: str, schema: dict[str, Param]) -> dict[str, i
             number = int(value)
         except ValueError:
             raise ThreefoldError(f"kv_cache_dtype {text!r}: {key}={value!r} is not an integer; "
-                                 f"{key} in {schema[key].choices_text()}.", param="kv_cache_dtype") from None
+                                 f"{key} in {schema[key].choices_text()} ({schema[key].help}).",
+                                 param="kv_cache_dtype") from None
         if number not in schema[key].choices:
             raise ThreefoldError(f"kv_cache_dtype {text!r}: {key}={number} is out of range; "
                                  f"{key} in {schema[key].choices_text()}.", param="kv_cache_dtype")

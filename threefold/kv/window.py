@@ -11,6 +11,7 @@ so its slot count bounds how many requests run at once (`window_slots`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -30,6 +31,17 @@ def window_slots(budget: int, bytes_per_slot: int, max_num_seqs: int) -> int:
                              f"({bytes_per_slot} bytes, at most {ARENA_FRACTION:.0%} of the budget); raise "
                              f"kv_cache_memory or lower the codec's residual.", param="kv_cache_memory")
     return slots
+
+
+class WindowedCodec(Protocol):
+    """A codec read through a window (KIVI, GEAR, turboquant with residual > 0): whole blocks are
+    encoded once all their tokens are known, and read back densely (worker/kivi_attention.py)."""
+
+    residual: int
+
+    def encode(self, storage: Any, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def read_blocks(self, storage: Any, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass

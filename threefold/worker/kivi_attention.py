@@ -25,9 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from threefold.kv.codecs.kivi import KiviCodec
 from threefold.kv.paged import PagedKVCache
-from threefold.kv.window import Window, WindowArena
+from threefold.kv.window import Window, WindowArena, WindowedCodec
 
 _ROWS = 256
 """Query rows per SDPA call: bounds the [H, rows, keys] scores of a long first chunk."""
@@ -58,10 +57,10 @@ class KiviAttention:
         """Layer -> its ring row in the arena (None: row = layer, every layer windowed)."""
         self.block_size = cache.block_size
 
-    def _codec(self, layer_idx: int) -> KiviCodec:
+    def _codec(self, layer_idx: int) -> WindowedCodec:
         codec = self.cache.codecs[layer_idx]
-        assert isinstance(codec, KiviCodec), f"layer {layer_idx} has no window ({codec.spec})"
-        return codec
+        assert codec.window_tokens(self.block_size), f"layer {layer_idx} has no window ({codec.spec})"
+        return codec  # type: ignore[return-value]  # a windowed codec (asserted)
 
     def quantized_len(self, window: Window, n: int, residual: int) -> int:
         """nq(n): tokens of n read from the blocks."""
@@ -78,7 +77,7 @@ class KiviAttention:
             out[span] = self._attend(layer_idx, codec, residual, r, q[span], lo, dk, dv)
         return out
 
-    def _write(self, layer_idx: int, codec: KiviCodec, residual: int, r: KiviRequest, k: torch.Tensor,
+    def _write(self, layer_idx: int, codec: WindowedCodec, residual: int, r: KiviRequest, k: torch.Tensor,
                v: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Encode completed blocks, update the ring; return the exact K/V of positions [lo, ctx + len)."""
         ctx, hi, bs, size = r.context_len, r.context_len + r.query_len, self.block_size, self.arena.size
@@ -99,7 +98,7 @@ class KiviAttention:
         ring[1].index_copy_(0, slots, dv[keep - lo:])
         return lo, dk, dv
 
-    def _attend(self, layer_idx: int, codec: KiviCodec, residual: int, r: KiviRequest, q: torch.Tensor, lo: int,
+    def _attend(self, layer_idx: int, codec: WindowedCodec, residual: int, r: KiviRequest, q: torch.Tensor, lo: int,
                 dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
         ctx, hi = r.context_len, r.context_len + r.query_len
         num_quantized = self.quantized_len(r.window, hi, residual)

@@ -30,11 +30,20 @@ from threefold.kv.codec import KVCodec, KVLayout
 from threefold.kv.spec import KVSpec
 
 
-def quantize_minmax(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Groups along `dim` -> codes uint8 (x's shape), scale and zero fp16 (keepdim)."""
+def quantize_minmax(x: torch.Tensor, bits: int, dim: int,
+                    keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Groups along `dim` -> codes uint8 (x's shape), scale and zero fp16 (keepdim). `keep` (bool,
+    x's shape): only those entries set the group's range, the others are coded as its minimum
+    (GEAR's outliers, stored apart); a group with none kept gets scale and zero 0."""
     x = x.float()
-    low = x.amin(dim, keepdim=True)
-    scale = ((x.amax(dim, keepdim=True) - low) / (2 ** bits - 1)).half()
+    if keep is None:
+        low, high = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    else:
+        low = torch.where(keep, x, torch.inf).amin(dim, keepdim=True)
+        high = torch.where(keep, x, -torch.inf).amax(dim, keepdim=True)
+        low, high = torch.where(low.isinf(), 0, low), torch.where(high.isinf(), 0, high)
+        x = torch.where(keep, x, low)
+    scale = ((high - low) / (2 ** bits - 1)).half()
     zero = low.half()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale)).float()  # constant group: exact
     codes = torch.round((x - zero.float()) / safe).clamp_(0, 2 ** bits - 1).to(torch.uint8)
@@ -69,7 +78,7 @@ class KiviCodec(KVCodec[KiviStorage]):
 
     def __init__(self, spec: KVSpec, num_kv_heads: int, head_dim: int, compute_dtype: torch.dtype) -> None:
         super().__init__(spec, num_kv_heads, head_dim, compute_dtype)
-        self.bits = int(spec.name.removeprefix("kivi"))
+        self.bits = dict(spec.params).get("bits") or int(spec.name.removeprefix("kivi"))
         self.group = spec["group"]
         self.residual = spec["residual"]
         if head_dim % self.group or head_dim % (8 // self.bits):
@@ -105,12 +114,15 @@ class KiviCodec(KVCodec[KiviStorage]):
             torch.zeros(v_meta, dtype=torch.float16, device=device), torch.zeros(v_meta, dtype=torch.float16,
                                                                                  device=device))
 
-    def quantize(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def quantize(self, k: torch.Tensor, v: torch.Tensor, k_keep: torch.Tensor | None = None,
+                 v_keep: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """k, v [n, block_size, kvh, d] -> packed K, V codes, K scale/zero [n, bs / G, kvh, d],
-        V scale/zero [n, bs, kvh, d / G]."""
+        V scale/zero [n, bs, kvh, d / G]. k_keep, v_keep: see `quantize_minmax` (GEAR)."""
         g = self.group
-        k_codes, k_scale, k_zero = quantize_minmax(k.unflatten(1, (-1, g)), self.bits, dim=2)
-        v_codes, v_scale, v_zero = quantize_minmax(v.unflatten(-1, (-1, g)), self.bits, dim=-1)
+        k_keep = None if k_keep is None else k_keep.unflatten(1, (-1, g))
+        v_keep = None if v_keep is None else v_keep.unflatten(-1, (-1, g))
+        k_codes, k_scale, k_zero = quantize_minmax(k.unflatten(1, (-1, g)), self.bits, 2, k_keep)
+        v_codes, v_scale, v_zero = quantize_minmax(v.unflatten(-1, (-1, g)), self.bits, -1, v_keep)
         return (pack(k_codes.flatten(1, 2), self.bits), pack(v_codes.flatten(-2), self.bits),
                 k_scale.squeeze(2), k_zero.squeeze(2), v_scale.squeeze(-1), v_zero.squeeze(-1))
 
@@ -138,6 +150,19 @@ class KiviCodec(KVCodec[KiviStorage]):
                                *(t.index_select(0, block_ids) for t in (storage.k_scales, storage.k_zeros,
                                                                         storage.v_scales, storage.v_zeros)))
         return k.flatten(0, 1).to(self.compute_dtype), v.flatten(0, 1).to(self.compute_dtype)
+
+    def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [T, kvh, d] as their blocks read once encoded, in blocks of G tokens (the smallest
+        block allowed); a last partial block stays exact, as it would in the window."""
+        full = k.shape[0] // self.group * self.group
+        blocks = (-1, self.group, *k.shape[1:])
+        k_hat, v_hat = self.reconstruct(k[:full].reshape(blocks), v[:full].reshape(blocks))
+        return (torch.cat([k_hat.flatten(0, 1).to(self.compute_dtype), k[full:]]),
+                torch.cat([v_hat.flatten(0, 1).to(self.compute_dtype), v[full:]]))
+
+    def reconstruct(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole blocks k, v [n, bs, kvh, d] -> as read back after `encode` (fp32)."""
+        return self.dequantize(*self.quantize(k, v))
 
     def write(self, storage: KiviStorage, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise TypeError("KIVI blocks are encoded whole (encode), through the request's window")
