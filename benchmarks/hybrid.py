@@ -75,7 +75,8 @@ class StepLog:
 
     def __init__(self, engine: LLMEngine, duration: float, start: float) -> None:
         self.core, self.duration, self.start = engine.core, duration, start
-        self.steps: list[tuple[str, float, float, int]] = []  # kind, predicted s, measured s, offline tokens
+        self.steps: list[tuple] = []
+        """kind, predicted s, measured s, offline tokens, offline decodes, online sequences, online prefill?"""
         self.busy = 0.0
         """Seconds of forwards that started inside the window."""
         self.online_queued = 0
@@ -91,6 +92,10 @@ class StepLog:
         predicted = predictor(scheduler.last_shape) if predictor is not None else float("nan")
         offline = sum(n for rid, n in sched.num_scheduled_tokens.items() if scheduler.requests[rid].is_offline)
         online = sched.total_num_scheduled_tokens - offline
+        offline_decodes = sum(n == 1 for rid, n in sched.num_scheduled_tokens.items()
+                              if scheduler.requests[rid].is_offline)
+        online_seqs = [rid for rid in sched.num_scheduled_tokens if not scheduler.requests[rid].is_offline]
+        online_prefill = any(sched.num_scheduled_tokens[rid] > 1 for rid in online_seqs)
         kind = "offline-only" if not online else "online-only" if not offline else "mixed"
         self.online_queued += any(r.class_rank == 0 and not r.is_offline for r in scheduler.waiting)
         began = time.perf_counter()
@@ -98,7 +103,7 @@ class StepLog:
         seconds = time.perf_counter() - began
         if began - self.start < self.duration:
             self.busy += seconds
-            self.steps.append((kind, predicted, seconds, offline))
+            self.steps.append((kind, predicted, seconds, offline, offline_decodes, len(online_seqs), online_prefill))
         return out
 
     def summary(self) -> dict:
@@ -107,7 +112,10 @@ class StepLog:
             rows = [s for s in self.steps if s[0] == kind]
             ratios = [s[2] / s[1] for s in rows if s[1] == s[1] and s[1] > 0]
             result[kind] = {"steps": len(rows), "seconds": sum(s[2] for s in rows),
-                            "offline_tokens": sum(s[3] for s in rows),
+                            "offline_tokens": sum(s[3] for s in rows), "offline_decodes": sum(s[4] for s in rows),
+                            "online_seqs_mean": statistics.mean(s[5] for s in rows) if rows else 0.0,
+                            "with_online_prefill": sum(s[6] for s in rows),
+                            "decode_only_p50": percentile([s[2] for s in rows if not s[6]], 50),
                             "measured_p50": percentile([s[2] for s in rows], 50),
                             "measured_p99": percentile([s[2] for s in rows], 99),
                             "measured_over_predicted_p10": percentile(ratios, 10),
@@ -262,6 +270,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--online-itl-slo", default="100ms")
     parser.add_argument("--online-ttft-slo", default="1s")
+    parser.add_argument("--online-slowdown", type=float, default=0.1,
+                        help="most offline work may lengthen a step with online work (share of its time alone)")
     parser.add_argument("--saturated-requests", type=int, default=32, help="queued at once for the upper bound")
     parser.add_argument("--probe-duration", type=float, default=30.0)
     parser.add_argument("--probe-steps", type=int, default=4)
@@ -324,7 +334,7 @@ def main() -> None:
                + load_sharegpt(ns.offline - ns.offline // 2, tokenizer, limits, seed=2, split="train"))
     base = {"model": ns.model, "kv_cache_memory": ns.kv_cache_memory, "max_model_len": ns.max_model_len,
             "online_itl_slo": ns.online_itl_slo, "online_ttft_slo": ns.online_ttft_slo,
-            "max_offline_queued_tokens": 1 << 30}
+            "max_offline_queued_tokens": 1 << 30, "online_slowdown": ns.online_slowdown}
     slo = EngineArgs(**base).configs()[2]
     cpu = cpu_info()
     print(f"{cpu.model} ({platform.machine()}); step cap {step_cap(slo) * 1e3:.0f} ms", flush=True)
