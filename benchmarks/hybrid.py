@@ -256,6 +256,29 @@ def print_table(rows: list[dict]) -> None:
               f"{r['offline_tok_s']:.1f} | {0.7 * r['leftover_tok_s']:.1f} | {r['util']:.0%} |")
 
 
+def print_steps(cells: list[dict]) -> None:
+    """The step log, pooled over rounds: what each schedule's steps carried and how long they took."""
+    print("\n| load | schedule | steps: offline-only / with online | with an online prompt | online seqs a step "
+          "| online-decode step p50 ms | offline tokens alone / beside online (decodes) | measured/predicted p50 |")
+    print("|---|---|---|---|---|---|---|---|")
+    groups: dict[tuple[float, str], list[dict]] = {}
+    for cell in cells:
+        groups.setdefault((cell["load"], cell["schedule"]), []).append(cell)
+    for (load, name), group in sorted(groups.items(), key=lambda kv: kv[0][0]):
+        alone = [c["steps"]["offline-only"] for c in group]
+        busy = [c["steps"][kind] for c in group for kind in ("mixed", "online-only")]
+        steps = sum(b["steps"] for b in busy)
+        seqs = sum(b["online_seqs_mean"] * b["steps"] for b in busy) / max(steps, 1)
+        decode_p50s = [b["decode_only_p50"] for b in busy if b["decode_only_p50"] == b["decode_only_p50"]]
+        decode_p50 = statistics.median(decode_p50s) if decode_p50s else float("nan")
+        ratio = [c["steps"]["mixed"]["measured_over_predicted_p50"] for c in group if c["steps"]["mixed"]["steps"]]
+        error = statistics.mean(ratio) if ratio else float("nan")
+        print(f"| {load:.0%} | {name} | {sum(a['steps'] for a in alone)} / {steps} | "
+              f"{sum(b['with_online_prefill'] for b in busy)} | {seqs:.1f} | {decode_p50 * 1e3:.0f} | "
+              f"{sum(a['offline_tokens'] for a in alone)} / {sum(b['offline_tokens'] for b in busy)} "
+              f"({sum(b['offline_decodes'] for b in busy)}) | {error:.2f} |")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -272,6 +295,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--online-ttft-slo", default="1s")
     parser.add_argument("--online-slowdown", type=float, default=0.1,
                         help="most offline work may lengthen a step with online work (share of its time alone)")
+    parser.add_argument("--slowdowns", default="", help="more hybrid schedules at these --online-slowdown values")
     parser.add_argument("--saturated-requests", type=int, default=32, help="queued at once for the upper bound")
     parser.add_argument("--probe-duration", type=float, default=30.0)
     parser.add_argument("--probe-steps", type=int, default=4)
@@ -291,7 +315,7 @@ def table(run_info: dict, cells: list[dict]) -> list[dict]:
     for load in sorted({load for load, _ in by_cell}):
         base_cells = by_cell[(load, "online-only")]
         leftover = max(alone.values()) * max(0.0, 1 - load * capacity / upper)
-        for name in ("online-only", "hybrid", "naive"):
+        for name in dict.fromkeys(c["schedule"] for c in cells):  # in the order they ran
             if (load, name) not in by_cell:
                 continue
             row = summarize(load, name, by_cell[(load, name)], leftover)
@@ -325,6 +349,7 @@ def main() -> None:
     if ns.report:
         run_info, cells = load_saved(ns.report)
         print_table(table(run_info, cells))
+        print_steps(cells)
         return
     loaded = load_model(ns.model)
     tokenizer = load_tokenizer(ns.model)
@@ -350,19 +375,23 @@ def main() -> None:
     run_info = {"cpu": str(cpu), "capacity_rps": capacity, "saturated_rps": upper, "probe": probe,
                 "offline_alone_tok_s": alone, "args": vars(ns)}
     cells: list[dict] = []
+    extra = [float(x) for x in ns.slowdowns.split(",") if x]
     for round_ in range(ns.rounds):
         for load in (float(x) for x in ns.loads.split(",")):
             arrivals = poisson(load * capacity, ns.duration, seed=round_ * 1000 + int(load * 100))
-            for name, policy, batch in (("online-only", "hybrid", []), ("hybrid", "hybrid", offline),
-                                        ("naive", "fcfs", offline)):
+            schedules = [("online-only", "hybrid", [], base), ("hybrid", "hybrid", offline, base),
+                         *((f"hybrid s={x:g}", "hybrid", offline, {**base, "online_slowdown": x}) for x in extra),
+                         ("naive", "fcfs", offline, base)]
+            for name, policy, batch, args in schedules:
                 if name == "naive" and round_ >= ns.naive_rounds:
                     continue
-                cell = run(loaded, base, policy, arrivals, ns.duration, online, batch)
+                cell = run(loaded, args, policy, arrivals, ns.duration, online, batch)
                 cell.update(round=round_, load=load, schedule=name)
                 cells.append(cell)
                 save(ns.out, run_info, cells)
                 print(json.dumps({k: v for k, v in cell.items() if k not in ("ttft", "itl")}), flush=True)
     print_table(table(run_info, cells))
+    print_steps(cells)
 
 
 if __name__ == "__main__":
