@@ -75,7 +75,8 @@ class StepLog:
 
     def __init__(self, engine: LLMEngine, duration: float, start: float) -> None:
         self.core, self.duration, self.start = engine.core, duration, start
-        self.steps: list[tuple[str, float, float, int]] = []  # kind, predicted s, measured s, offline tokens
+        self.steps: list[tuple] = []
+        """kind, predicted s, measured s, offline tokens, offline decodes, online sequences, online prefill?"""
         self.busy = 0.0
         """Seconds of forwards that started inside the window."""
         self.online_queued = 0
@@ -91,6 +92,10 @@ class StepLog:
         predicted = predictor(scheduler.last_shape) if predictor is not None else float("nan")
         offline = sum(n for rid, n in sched.num_scheduled_tokens.items() if scheduler.requests[rid].is_offline)
         online = sched.total_num_scheduled_tokens - offline
+        offline_decodes = sum(n == 1 for rid, n in sched.num_scheduled_tokens.items()
+                              if scheduler.requests[rid].is_offline)
+        online_seqs = [rid for rid in sched.num_scheduled_tokens if not scheduler.requests[rid].is_offline]
+        online_prefill = any(sched.num_scheduled_tokens[rid] > 1 for rid in online_seqs)
         kind = "offline-only" if not online else "online-only" if not offline else "mixed"
         self.online_queued += any(r.class_rank == 0 and not r.is_offline for r in scheduler.waiting)
         began = time.perf_counter()
@@ -98,7 +103,7 @@ class StepLog:
         seconds = time.perf_counter() - began
         if began - self.start < self.duration:
             self.busy += seconds
-            self.steps.append((kind, predicted, seconds, offline))
+            self.steps.append((kind, predicted, seconds, offline, offline_decodes, len(online_seqs), online_prefill))
         return out
 
     def summary(self) -> dict:
@@ -107,7 +112,10 @@ class StepLog:
             rows = [s for s in self.steps if s[0] == kind]
             ratios = [s[2] / s[1] for s in rows if s[1] == s[1] and s[1] > 0]
             result[kind] = {"steps": len(rows), "seconds": sum(s[2] for s in rows),
-                            "offline_tokens": sum(s[3] for s in rows),
+                            "offline_tokens": sum(s[3] for s in rows), "offline_decodes": sum(s[4] for s in rows),
+                            "online_seqs_mean": statistics.mean(s[5] for s in rows) if rows else 0.0,
+                            "with_online_prefill": sum(s[6] for s in rows),
+                            "decode_only_p50": percentile([s[2] for s in rows if not s[6]], 50),
                             "measured_p50": percentile([s[2] for s in rows], 50),
                             "measured_p99": percentile([s[2] for s in rows], 99),
                             "measured_over_predicted_p10": percentile(ratios, 10),
@@ -248,6 +256,29 @@ def print_table(rows: list[dict]) -> None:
               f"{r['offline_tok_s']:.1f} | {0.7 * r['leftover_tok_s']:.1f} | {r['util']:.0%} |")
 
 
+def print_steps(cells: list[dict]) -> None:
+    """The step log, pooled over rounds: what each schedule's steps carried and how long they took."""
+    print("\n| load | schedule | steps: offline-only / with online | with an online prompt | online seqs a step "
+          "| online-decode step p50 ms | offline tokens alone / beside online (decodes) | measured/predicted p50 |")
+    print("|---|---|---|---|---|---|---|---|")
+    groups: dict[tuple[float, str], list[dict]] = {}
+    for cell in cells:
+        groups.setdefault((cell["load"], cell["schedule"]), []).append(cell)
+    for (load, name), group in sorted(groups.items(), key=lambda kv: kv[0][0]):
+        alone = [c["steps"]["offline-only"] for c in group]
+        busy = [c["steps"][kind] for c in group for kind in ("mixed", "online-only")]
+        steps = sum(b["steps"] for b in busy)
+        seqs = sum(b["online_seqs_mean"] * b["steps"] for b in busy) / max(steps, 1)
+        decode_p50s = [b["decode_only_p50"] for b in busy if b["decode_only_p50"] == b["decode_only_p50"]]
+        decode_p50 = statistics.median(decode_p50s) if decode_p50s else float("nan")
+        ratio = [c["steps"]["mixed"]["measured_over_predicted_p50"] for c in group if c["steps"]["mixed"]["steps"]]
+        error = statistics.mean(ratio) if ratio else float("nan")
+        print(f"| {load:.0%} | {name} | {sum(a['steps'] for a in alone)} / {steps} | "
+              f"{sum(b['with_online_prefill'] for b in busy)} | {seqs:.1f} | {decode_p50 * 1e3:.0f} | "
+              f"{sum(a['offline_tokens'] for a in alone)} / {sum(b['offline_tokens'] for b in busy)} "
+              f"({sum(b['offline_decodes'] for b in busy)}) | {error:.2f} |")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -262,10 +293,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--online-itl-slo", default="100ms")
     parser.add_argument("--online-ttft-slo", default="1s")
+    parser.add_argument("--online-slowdown", type=float, default=0.1,
+                        help="most offline work may lengthen a step with online work (share of its time alone)")
+    parser.add_argument("--slowdowns", default="", help="more hybrid schedules at these --online-slowdown values")
     parser.add_argument("--saturated-requests", type=int, default=32, help="queued at once for the upper bound")
     parser.add_argument("--probe-duration", type=float, default=30.0)
     parser.add_argument("--probe-steps", type=int, default=4)
     parser.add_argument("--capacity", type=float, default=None, help="skip the probe: online requests/s")
+    parser.add_argument("--capacity-share", type=float, default=None,
+                        help="skip the probe: capacity = this share of the saturated rate measured now (the idle "
+                             "machine's probe gave 1.5 of 1.97 req/s: 0.76), for a machine whose load moved")
     parser.add_argument("--out", default=None, help="JSON of every cell's samples (rewritten after each cell)")
     parser.add_argument("--report", default=None, help="print the table of a saved --out file and exit")
     return parser.parse_args()
@@ -281,7 +318,7 @@ def table(run_info: dict, cells: list[dict]) -> list[dict]:
     for load in sorted({load for load, _ in by_cell}):
         base_cells = by_cell[(load, "online-only")]
         leftover = max(alone.values()) * max(0.0, 1 - load * capacity / upper)
-        for name in ("online-only", "hybrid", "naive"):
+        for name in dict.fromkeys(c["schedule"] for c in cells):  # in the order they ran
             if (load, name) not in by_cell:
                 continue
             row = summarize(load, name, by_cell[(load, name)], leftover)
@@ -315,6 +352,7 @@ def main() -> None:
     if ns.report:
         run_info, cells = load_saved(ns.report)
         print_table(table(run_info, cells))
+        print_steps(cells)
         return
     loaded = load_model(ns.model)
     tokenizer = load_tokenizer(ns.model)
@@ -324,12 +362,14 @@ def main() -> None:
                + load_sharegpt(ns.offline - ns.offline // 2, tokenizer, limits, seed=2, split="train"))
     base = {"model": ns.model, "kv_cache_memory": ns.kv_cache_memory, "max_model_len": ns.max_model_len,
             "online_itl_slo": ns.online_itl_slo, "online_ttft_slo": ns.online_ttft_slo,
-            "max_offline_queued_tokens": 1 << 30}
+            "max_offline_queued_tokens": 1 << 30, "online_slowdown": ns.online_slowdown}
     slo = EngineArgs(**base).configs()[2]
     cpu = cpu_info()
     print(f"{cpu.model} ({platform.machine()}); step cap {step_cap(slo) * 1e3:.0f} ms", flush=True)
     upper = saturated_rate(loaded, base, online[: ns.saturated_requests])
     capacity, probe = ns.capacity, []
+    if capacity is None and ns.capacity_share is not None:
+        capacity = ns.capacity_share * upper
     if capacity is None:
         capacity, probe = probe_capacity(loaded, base, online, upper, slo.online_itl_slo, ns.probe_duration,
                                          ns.probe_steps)
@@ -340,19 +380,23 @@ def main() -> None:
     run_info = {"cpu": str(cpu), "capacity_rps": capacity, "saturated_rps": upper, "probe": probe,
                 "offline_alone_tok_s": alone, "args": vars(ns)}
     cells: list[dict] = []
+    extra = [float(x) for x in ns.slowdowns.split(",") if x]
     for round_ in range(ns.rounds):
         for load in (float(x) for x in ns.loads.split(",")):
             arrivals = poisson(load * capacity, ns.duration, seed=round_ * 1000 + int(load * 100))
-            for name, policy, batch in (("online-only", "hybrid", []), ("hybrid", "hybrid", offline),
-                                        ("naive", "fcfs", offline)):
+            schedules = [("online-only", "hybrid", [], base), ("hybrid", "hybrid", offline, base),
+                         *((f"hybrid s={x:g}", "hybrid", offline, {**base, "online_slowdown": x}) for x in extra),
+                         ("naive", "fcfs", offline, base)]
+            for name, policy, batch, args in schedules:
                 if name == "naive" and round_ >= ns.naive_rounds:
                     continue
-                cell = run(loaded, base, policy, arrivals, ns.duration, online, batch)
+                cell = run(loaded, args, policy, arrivals, ns.duration, online, batch)
                 cell.update(round=round_, load=load, schedule=name)
                 cells.append(cell)
                 save(ns.out, run_info, cells)
                 print(json.dumps({k: v for k, v in cell.items() if k not in ("ttft", "itl")}), flush=True)
     print_table(table(run_info, cells))
+    print_steps(cells)
 
 
 if __name__ == "__main__":

@@ -84,12 +84,15 @@ def test_kv_decode_attention_matches_reference(kernels, spec, dtype, heads, kv_h
     torch.testing.assert_close(out, _reference(codec, storage, q, tables, lens, scale, window), **_tolerance(dtype))
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4"])
+@pytest.mark.parametrize("spec,q_len", [("int8", 23), ("int4", 23), ("auto", 5)])  # dense: short chunks only
 @pytest.mark.parametrize("window", [None, 20])
-def test_prefill_with_context_reads_the_cache_in_place(kernels, spec, window):
+def test_prefill_with_context_reads_the_cache_in_place(kernels, spec, q_len, window, monkeypatch):
     """A chunk resuming at position 45 through the kernel = the torch path (dense read + SDPA)."""
+    calls = []
+    monkeypatch.setattr(PagedAttention, "_prefill_in_place",
+                        lambda self, *args, _f=PagedAttention._prefill_in_place: calls.append(1) or _f(self, *args))
     gen = torch.Generator().manual_seed(1)
-    heads, kv_heads, head_dim, block_size, context, q_len = 6, 2, 64, 16, 45, 23
+    heads, kv_heads, head_dim, block_size, context = 6, 2, 64, 16, 45
     codec = make_codec(spec, kv_heads, head_dim, torch.float32)
     cache = PagedKVCache(codec, 1, 9, block_size, torch.device("cpu"))
     blocks = torch.tensor([[7, 2, 5, 8, 3]])
@@ -104,3 +107,4 @@ def test_prefill_with_context_reads_the_cache_in_place(kernels, spec, window):
     native = PagedAttention(cache, meta, head_dim ** -0.5, torch.float32, kernels)(*args)
     plain = PagedAttention(cache, meta, head_dim ** -0.5, torch.float32, None)(*args)
     torch.testing.assert_close(native, plain, atol=3e-5, rtol=1e-5)
+    assert calls  # the kernel path ran

@@ -31,6 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="online inter-token latency target offline work must keep, e.g. 100ms")
     parser.add_argument("--offline-min-share", type=float, default=sched.offline_min_share,
                         help="share of each step's token budget offline work always gets (its floor)")
+    parser.add_argument("--online-slowdown", type=float, default=sched.online_slowdown,
+                        help="most offline work may lengthen a step with online work, as a share of its time "
+                             "alone (0.1 = 10%%; higher: more offline throughput, slower online)")
     parser.add_argument("--max-offline-queued-tokens", type=int, default=sched.max_offline_queued_tokens,
                         help="most prompt + max_tokens of unfinished offline requests")
     parser.add_argument("--block-size", type=int, default=cache.block_size)
@@ -70,7 +73,7 @@ def engine_args_from(ns: argparse.Namespace):
                       speculative_config=getattr(ns, "speculative_config", None),
                       scheduling_policy=ns.scheduling_policy, online_ttft_slo=ns.online_ttft_slo,
                       online_itl_slo=ns.online_itl_slo, offline_min_share=ns.offline_min_share,
-                      max_offline_queued_tokens=ns.max_offline_queued_tokens,
+                      max_offline_queued_tokens=ns.max_offline_queued_tokens, online_slowdown=ns.online_slowdown,
                       kv_offload=offload if offload.enabled else None)
 
 

@@ -69,6 +69,10 @@ SCHEDULING_POLICIES = ("hybrid", "fcfs")
 """SchedulerConfig.scheduling_policy's values: hybrid runs online work first and fits offline
 work into the latency budget left; fcfs treats offline requests like online ones (the naive mix)."""
 
+MAX_ONLINE_SLOWDOWN = 10.0
+"""online_slowdown's ceiling: offline may make a step at most 11x as long as online alone (past that the
+ITL SLO cap binds anyway)."""
+
 _DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "": 1.0}
 
 
@@ -106,6 +110,10 @@ class SchedulerConfig:
     (at least one token), so batch work never starves."""
     max_offline_queued_tokens: int = 4_000_000
     """Most prompt + max_tokens of unfinished offline requests; adding more is refused (429)."""
+    online_slowdown: float = 0.1
+    """Most offline work may lengthen a step carrying online work, as a share of that step's predicted
+    time without it (0.1: online decodes and prefills run within 10% of alone). Higher trades online
+    latency for offline throughput; 0 leaves offline only its floor while online runs."""
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}.",
@@ -120,6 +128,9 @@ class SchedulerConfig:
             object.__setattr__(self, name, parse_duration(getattr(self, name), name))
         _require(0.0 <= self.offline_min_share <= 1.0,
                  f"offline_min_share must be within [0, 1], got {self.offline_min_share}.", "offline_min_share")
+        _require(0.0 <= self.online_slowdown <= MAX_ONLINE_SLOWDOWN,
+                 f"online_slowdown must be within [0, {MAX_ONLINE_SLOWDOWN:g}] (a share of a step's time), "
+                 f"got {self.online_slowdown}.", "online_slowdown")
         _require(self.max_offline_queued_tokens >= 1,
                  f"max_offline_queued_tokens must be at least 1, got {self.max_offline_queued_tokens}.",
                  "max_offline_queued_tokens")

@@ -1,25 +1,29 @@
 """How many offline tokens one step may carry (HyGen-style SLO-aware budget, plain Python).
 
 Online work is planned first. Offline tokens are then added, request by
-request, only while the predicted time of the whole step stays within the
-step cap, `min(online_itl_slo, ARRIVAL_WAIT_SHARE * online_ttft_slo)`:
+request (decodes first: see Scheduler._schedule_hybrid), only while the
+predicted time of the whole step stays within its limit:
 
-- a step without online work is cut at the cap. An online request that
-  arrives meanwhile waits for the step in flight, so the cap bounds what
-  offline work adds to a TTFT;
-- a step of online decodes is cut at the cap, and at `1 + ONLINE_SLOWDOWN`
-  times its predicted time without offline work, whichever is shorter;
-- a step carrying an online prefill chunk, or one planned while online
-  requests still wait (the budget, the sequences or the KV ran out), gets only
-  the floor: padding it would push those requests' first tokens back, and at
-  high load every second offline takes there is queueing added for online.
+- a step without online work is cut at the cap, `min(online_itl_slo,
+  ARRIVAL_WAIT_SHARE * online_ttft_slo)`: an online request that arrives
+  meanwhile waits for the step in flight, so the cap bounds what offline work
+  adds to a TTFT. Its floor applies only where one token already breaks the cap;
+- a step carrying online work may grow to `1 + online_slowdown` times its
+  predicted time without offline work (SchedulerConfig.online_slowdown, 10% by
+  default), and a step of online decodes no further than the cap: every online
+  decode gap and prefill chunk stays within that share of running alone;
+- a step planned while online requests still wait (the budget, the sequences or
+  the KV ran out) gets only the floor: at that load every second offline takes
+  is queueing added for online.
+
+On a CPU the slack is the weights: a step reads them once whatever it carries,
+so a few offline decodes beside online ones cost a token's arithmetic each,
+while alone they would pay a whole step (the predictor's fixed cost). Idle time
+comes back as capped offline-only steps, where offline prompts are prefilled.
 
 Whatever the online load, offline gets at least `offline_min_share` of the
 tokens online computes in the step (one token at least; room for it is
-reserved before online is planned; of the whole budget in a step without
-online work, even where one token already breaks the cap), so it never starves, and a step of a few
-online decodes carries a floor of a token or two, not a fixed chunk that would
-dwarf it.
+reserved before online is planned), so it never starves.
 """
 
 from __future__ import annotations
@@ -37,13 +41,6 @@ StepPredictor = Callable[[BatchShape], float]
 ARRIVAL_WAIT_SHARE = 0.1
 """Most of online_ttft_slo an online arrival may wait for a step that carries offline work (its cap)."""
 
-ONLINE_SLOWDOWN = 0.1
-"""Most the offline tokens riding in a step of online decodes may lengthen it, as a share of its
-predicted time without them: online inter-token latency stays within 10% of running alone, and the
-idle time online leaves comes back as offline-only steps (filling every online step up to the ITL
-SLO instead made each online decode several times slower, so online requests overlapped and the
-idle time disappeared)."""
-
 
 class OfflineBudget:
     """One step's offline allowance: built after online is planned, asked per offline request."""
@@ -52,20 +49,20 @@ class OfflineBudget:
                  online: list[Request], online_waiting: bool) -> None:
         self.predictor = predictor
         self.shape = shape
-        # The floor scales with the step: offline's share of the tokens online computes in it (at least
-        # one), or of the whole budget when nothing online runs: on a machine too slow for the cap,
-        # offline alone must not crawl at one token a step.
+        self.online_present = bool(online) or online_waiting
+        alone = predictor(shape) if predictor is not None and online else None
+        self.limit = step_time_limit(config, online, online_waiting, alone)
+        # The floor scales with the step: offline's share of the tokens online computes in it (at least one).
         share = config.offline_min_share
         self.floor = 0 if share <= 0 else max(1, math.ceil(share * shape.num_tokens))
-        if not online and not online_waiting:
-            self.floor = floor_tokens(config)
+        if not self.online_present:
+            # Offline alone: the cap rules (an online arrival waits for this step). Only on a machine too
+            # slow for one token within it does the floor, a share of the whole budget, keep offline moving.
+            fits = predictor is None or self.limit is None or predictor(shape.plus(1, 0)) <= self.limit
+            self.floor = 0 if fits else floor_tokens(config)
         self.num_tokens = 0
         """Offline tokens granted so far this step."""
-        self.limit = step_time_limit(config, online, online_waiting)
-        if self.limit is not None and online and predictor is not None:
-            self.limit = min(self.limit, (1 + ONLINE_SLOWDOWN) * predictor(shape))
         self.exhausted = False
-        self.online_present = bool(online) or online_waiting
 
     def grant(self, request: Request, num_new: int) -> int:
         """How many of the num_new tokens this offline request may compute this step (0: stop asking)."""
@@ -108,11 +105,21 @@ def step_cap(config: SchedulerConfig) -> float:
     return min(config.online_itl_slo, ARRIVAL_WAIT_SHARE * config.online_ttft_slo)
 
 
-def step_time_limit(config: SchedulerConfig, online: list[Request], online_waiting: bool) -> float | None:
-    """Seconds the step may take with offline work in it (None: offline gets only the floor)."""
-    if online_waiting or any(_first_token_pending(r) for r in online):
+def step_time_limit(config: SchedulerConfig, online: list[Request], online_waiting: bool,
+                    alone: float | None) -> float | None:
+    """Seconds the step may take with offline work in it (None: offline gets only the floor).
+
+    alone: the predicted seconds of the step's online work (None: not calibrated, or no online work)."""
+    if online_waiting:
         return None
-    return step_cap(config)
+    if not online:
+        return step_cap(config)
+    if alone is None:
+        return None  # not calibrated yet: online latency comes first
+    limit = (1 + config.online_slowdown) * alone
+    if any(_first_token_pending(r) for r in online):
+        return limit  # a prefill chunk: its first token (and the decodes beside it) stretch by the share at most
+    return min(limit, step_cap(config))
 
 
 def _first_token_pending(request: Request) -> bool:

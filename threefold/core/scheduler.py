@@ -236,9 +236,26 @@ class Scheduler:
         online = [self.requests[rid] for rid in plan.num_tokens]
         online_waiting = any(r.class_rank == 0 for r in self.waiting)
         plan.offline = OfflineBudget(self.config, self.predictor, plan.shape, online, online_waiting)
+        self._schedule_offline_decodes(plan)
         self._schedule_running(plan, rank=1)
         if not plan.out_of_blocks:
             self._schedule_waiting(plan, rank=1)
+
+    def _schedule_offline_decodes(self, plan: _StepPlan) -> None:
+        """Offline requests at their next output token go first: each is a token of arithmetic riding on
+        the weights the step reads anyway, and an output; a prompt chunk of that size is neither."""
+        first = bisect.bisect_left(self.running, 1, key=lambda r: r.class_rank)
+        for request in self.running[first:]:
+            if request.num_tokens_with_spec - request.num_computed_tokens != 1:
+                continue
+            if plan.budget <= 0 or plan.grant(request, 1) <= 0:
+                return
+            new_blocks = self.kv.allocate_slots(request, 1, num_lookahead_tokens=self.num_lookahead_tokens)
+            if new_blocks is None:
+                return  # out of blocks: the ordinary pass preempts the tail (never one scheduled here)
+            plan.cached.append(CachedRequestData(
+                request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens))
+            self._commit(request, 1, plan)
 
     def _preempt_for_priority(self, plan: _StepPlan) -> None:
         """A waiting request that outranks the running tail takes its place when room is short."""
@@ -262,6 +279,9 @@ class Scheduler:
             request = self.running[index]
             if request.class_rank != rank:
                 return
+            if request.request_id in plan.num_tokens:  # an offline decode, scheduled first
+                index += 1
+                continue
             num_new = plan.grant(request, self._num_new_tokens(request, plan.budget))
             if num_new <= 0:
                 if plan.offline is not None and plan.offline.exhausted:
@@ -281,6 +301,9 @@ class Scheduler:
             new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.num_lookahead_tokens)
             if new_blocks is not None:
                 return new_blocks
+            if self.running[-1].request_id in plan.num_tokens:
+                plan.out_of_blocks = True  # the tail is an offline decode scheduled this step: keep it
+                return None
             victim = self.running.pop()
             self._preempt(victim, plan)
             plan.out_of_blocks = True

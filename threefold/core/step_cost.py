@@ -2,10 +2,13 @@
 
 One step's time is modelled as linear in its shape (HyGen's latency predictor):
 
-    seconds = c0 + c_tok * tokens + c_seq * sequences + c_attn * attention pairs
+    seconds = c0 + c_tok * tokens + c_seq * sequences + c_chunk * prefill chunks + c_attn * attention pairs
 
-`tokens` drives the linear layers, `sequences` the per-request host work and
-sampling, `attention pairs` (query tokens x the keys each attends) the KV read.
+`c0` is the weights read once a step (most of a small step on a CPU), `tokens`
+drives the linear layers, `sequences` the per-request host work and sampling,
+`prefill chunks` (requests computing more than one token) the attention call
+each chunk makes per layer beside the decodes' one kernel call, and `attention
+pairs` (query tokens x the keys each attends) the KV read.
 The coefficients are a ridge least-squares fit with forgetting: calibrated from
 a startup profile (spec.adaptive.StepCostModel's (tokens, seconds) points, the
 same profiling pass speculation uses), then refitted from every measured step.
@@ -15,29 +18,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-_SCALES = (1.0, 1e3, 1e2, 1e6)
-"""Feature units (1, thousand tokens, hundred sequences, million pairs): keeps the ridge term even-handed."""
+_SCALES = (1.0, 1e3, 1e2, 1e1, 1e6)
+"""Feature units (1, thousand tokens, hundred sequences, ten chunks, million pairs): keeps the ridge term
+even-handed."""
 
 
 @dataclass
 class BatchShape:
     num_tokens: int = 0
     num_seqs: int = 0
+    num_chunks: int = 0
+    """Sequences computing more than one token (a decode is one: the runner's decode path)."""
     attention_pairs: float = 0.0
 
     def add(self, num_new: int, num_computed: int) -> None:
         """One request computing num_new tokens after num_computed: each query attends its prefix."""
         self.num_tokens += num_new
         self.num_seqs += 1
+        self.num_chunks += num_new > 1
         self.attention_pairs += num_new * (num_computed + (num_new + 1) / 2)
 
     def plus(self, num_new: int, num_computed: int) -> BatchShape:
-        shape = BatchShape(self.num_tokens, self.num_seqs, self.attention_pairs)
+        shape = BatchShape(self.num_tokens, self.num_seqs, self.num_chunks, self.attention_pairs)
         shape.add(num_new, num_computed)
         return shape
 
     def features(self) -> list[float]:
-        raw = (1.0, self.num_tokens, self.num_seqs, self.attention_pairs)
+        raw = (1.0, self.num_tokens, self.num_seqs, self.num_chunks, self.attention_pairs)
         return [value / scale for value, scale in zip(raw, _SCALES, strict=True)]
 
 

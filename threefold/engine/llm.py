@@ -40,6 +40,7 @@ class LLM:
                  online_itl_slo: float | str = _DEFAULTS.online_itl_slo,
                  offline_min_share: float = _DEFAULTS.offline_min_share,
                  max_offline_queued_tokens: int = _DEFAULTS.max_offline_queued_tokens,
+                 online_slowdown: float = _DEFAULTS.online_slowdown,
                  kv_offload_cpu_bytes: int | str | None = None, kv_offload_disk: str | None = None,
                  kv_offload_disk_bytes: int | str | None = None, kv_offload_redis: str | None = None,
                  kv_offload_codec: str | None = None, kv_offload_config: str | None = None) -> None:
@@ -55,7 +56,7 @@ class LLM:
                           kv_guard_calibration=kv_guard_calibration, speculative_config=speculative_config,
                           scheduling_policy=scheduling_policy, online_ttft_slo=online_ttft_slo,
                           online_itl_slo=online_itl_slo, offline_min_share=offline_min_share,
-                          max_offline_queued_tokens=max_offline_queued_tokens,
+                          max_offline_queued_tokens=max_offline_queued_tokens, online_slowdown=online_slowdown,
                           kv_offload=offload if offload.enabled else None)
         self.engine = LLMEngine.from_args(args)
         self._ids = itertools.count()

@@ -48,6 +48,7 @@ class EngineArgs:
     online_itl_slo: float | str = _SCHED.online_itl_slo
     offline_min_share: float = _SCHED.offline_min_share
     max_offline_queued_tokens: int = _SCHED.max_offline_queued_tokens
+    online_slowdown: float = _SCHED.online_slowdown
     enable_prefix_caching: bool = _CACHE.enable_prefix_caching
     kv_cache_dtype: str = _CACHE.kv_cache_dtype
     kv_quality_budget: float | None = _CACHE.kv_quality_budget
@@ -69,7 +70,7 @@ class EngineArgs:
                             self.kv_quality_budget, self.kv_guard_calibration),
                 SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling_policy,
                                 self.online_ttft_slo, self.online_itl_slo,  # type: ignore[arg-type]  # parsed there
-                                self.offline_min_share, self.max_offline_queued_tokens))
+                                self.offline_min_share, self.max_offline_queued_tokens, self.online_slowdown))
 
 
 class LLMEngine:

@@ -32,6 +32,11 @@ import torch.nn.functional as F
 from threefold.kv.native import decode_attention
 from threefold.kv.paged import PagedKVCache
 
+IN_PLACE_CHUNK = 16
+"""A chunk with context of at most this many tokens runs as decode rows over a dense cache too: the
+gather, mask and SDPA call of the torch path cost a few decodes' worth per layer (an offline prompt
+taken a few tokens a step beside online decodes paid that every step)."""
+
 
 @dataclass
 class PrefillChunk:
@@ -110,7 +115,8 @@ class PagedAttention:
 
     def _prefill(self, layer_idx: int, chunk: PrefillChunk, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
-        if chunk.context_len and self.kernels is not None and self.cache.layout(layer_idx).kind != "dense":
+        if chunk.context_len and self.kernels is not None and (
+                chunk.query_len <= IN_PLACE_CHUNK or self.cache.layout(layer_idx).kind != "dense"):
             return self._prefill_in_place(layer_idx, chunk, q, self.kernels)
         q = q.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, d]
         window = self.meta.sliding_window
