@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -11,6 +12,7 @@ from threefold.core.block_pool import BlockPool
 from threefold.errors import ThreefoldError
 from threefold.router.policies import policy_names
 from threefold.sim.block_pool import SimBlockPool
+from threefold.sim.delays import ACCEPT, ENGINE_TTFT, FIRST_TOKEN, Delays, Scrape, delays_between
 from threefold.sim.engine_model import EngineModel, StepPoint
 from threefold.sim.instance import Instance, SimRequest
 from threefold.sim.simulator import Simulator, simulate
@@ -44,7 +46,8 @@ def _model() -> EngineModel:
 
 def test_deterministic_for_a_seed():
     trace = sessions_trace(60, seed=3, conversations=_conversations())
-    runs = [simulate(_model(), trace, 4, "dualmap", 6.0, 0.5, seed) for seed in (7, 7, 8)]
+    model = dataclasses.replace(_model(), dispatch_delay_s=0.01, report_delay_s=0.02)
+    runs = [simulate(model, trace, 4, "dualmap", 6.0, 0.5, seed) for seed in (7, 7, 8)]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
 
@@ -234,3 +237,37 @@ def test_effective_capacity_bisects_the_90_percent_crossing():
     assert parse_seconds("500ms") == 0.5 and parse_seconds("1s") == 1.0
     with pytest.raises(ThreefoldError):
         parse_seconds("soon")
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "dualmap"])
+def test_dispatch_and_report_delays_shift_ttft_exactly(policy):
+    # Two one-token requests at t = 1 ms on one replica, each prefill 0.1 s. Immediate binding: the
+    # second queues behind the first in the replica, so each TTFT grows by d + r once. Late binding
+    # (DualMap pulls one prompt per SLO/tpct = 64 tokens): the second is sent only when the first's
+    # token is reported, so its TTFT grows by d + r twice.
+    d, r = 0.03, 0.02
+    trace = dataclasses.replace(_single_turn_trace(2, 64), arrival_times=[[0.001], [0.001]])
+
+    def ttfts(dispatch: float, report: float) -> list[float]:
+        model = EngineModel({64: 0.1}, 0.0, max_num_batched_tokens=64, dispatch_delay_s=dispatch,
+                            report_delay_s=report)
+        sim = Simulator(model, 1, policy, slo_s=0.1)
+        sim.run(trace, 1.0)
+        return [q.first_token - q.arrival for q in sorted(sim.done, key=lambda q: q.request_id)]  # type: ignore
+
+    base, delayed = ttfts(0.0, 0.0), ttfts(d, r)
+    shifts = [1, 1] if policy == "round_robin" else [1, 2]
+    assert delayed == pytest.approx([t + k * (d + r) for t, k in zip(base, shifts, strict=True)], abs=1e-9)
+    assert base[0] == pytest.approx(0.1 if policy == "round_robin" else 0.1 + 0.002)  # + the dispatch quantum
+
+
+def test_http_delays_from_two_scrapes():
+    before = Scrape({ACCEPT: (1.0, 10), FIRST_TOKEN: (20.0, 10), ENGINE_TTFT: (15.0, 10)})
+    after = Scrape({ACCEPT: (1.5, 20), FIRST_TOKEN: (26.0, 20), ENGINE_TTFT: (20.0, 20)})
+    delays = delays_between(before, after)
+    assert delays == Delays(dispatch_s=pytest.approx(0.05), report_s=pytest.approx(0.05), requests=10)
+    model = delays.apply(_model())
+    assert (model.dispatch_delay_s, model.report_delay_s) == (delays.dispatch_s, delays.report_s)
+    assert delays_between(after, after) is None
+    late_headers = Scrape({ACCEPT: (3.0, 20), FIRST_TOKEN: (26.0, 20), ENGINE_TTFT: (20.0, 20)})
+    assert delays_between(before, late_headers) == Delays(pytest.approx(0.1), pytest.approx(0.0), 10)

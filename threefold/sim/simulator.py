@@ -78,7 +78,8 @@ class Simulator:
         self._requests: dict[str, SimRequest] = {}
         self._dispatch_at: float | None = None
         self._outstanding = 0
-        self._done: list[SimRequest] = []
+        self.done: list[SimRequest] = []
+        """Finished requests, in the order the router saw them finish."""
         self._trace: Trace | None = None
         self._thinks = np.zeros(0)
         self._think_at = np.zeros(1, dtype=int)
@@ -98,7 +99,7 @@ class Simulator:
             for index, start in enumerate(starts.tolist()):
                 self._push(start, ARRIVE, (index, 0))
         self._push(0.0, TICK, None)
-        self._done = []
+        self.done = []
         now, total = 0.0, trace.num_requests
         while self._events:
             now, _, kind, payload = heapq.heappop(self._events)
@@ -115,11 +116,11 @@ class Simulator:
             elif kind == DISPATCH:
                 self._dispatch_at = None
                 self._dispatch(now)
-            elif kind == TICK and (self._outstanding or len(self._done) < total):
+            elif kind == TICK and (self._outstanding or len(self.done) < total):
                 self.policy.tick(now)
                 self._dispatch(now)
                 self._push(now + self.tick_s, TICK, None)
-        return self._result(trace, rate, self._done, now)
+        return self._result(trace, rate, self.done, now)
 
     def _arrive(self, trace: Trace, session: int, turn: int, now: float) -> None:
         t = trace.sessions[session][turn]
@@ -177,7 +178,7 @@ class Simulator:
             self.policy.on_finished(request.request_id, now)
             del self._requests[request.request_id]
             self._outstanding -= 1
-            self._done.append(request)
+            self.done.append(request)
             trace = cast(Trace, self._trace)
             if trace.arrival_times is None and request.turn + 1 < len(trace.sessions[request.session]):
                 gap = float(self._thinks[self._think_at[request.session] + request.turn])
