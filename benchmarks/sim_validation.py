@@ -191,9 +191,20 @@ def start_replicas(ns, model_path: Path | None = None) -> tuple[list[subprocess.
         engines.append(subprocess.Popen(pinned(cmd, i % cores), env={**os.environ, **PINNED_ENV},
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         urls.append(f"http://127.0.0.1:{port}")
-    for url, process in zip(urls, engines, strict=True):
-        wait_healthy(url, process)
+    try:
+        for url, process in zip(urls, engines, strict=True):
+            wait_healthy(url, process)
+    except BaseException:  # Ctrl-C or a replica that died: leave no orphans
+        stop(engines)
+        raise
     return engines, urls
+
+
+def stop(engines: list[subprocess.Popen]) -> None:
+    for process in engines:
+        process.terminate()
+    for process in engines:
+        process.wait(30)
 
 
 def markdown(report: dict) -> str:
@@ -266,11 +277,11 @@ def main() -> None:
     schedule = placeholder.arrivals(ns.rate, ns.seed)
     keyer = PromptKeyer(ns.model)
     engines, urls = start_replicas(ns)
-    capacity = _gauge(httpx.get(f"{urls[0]}/metrics").text, "threefold:kv_cache_capacity_tokens")
-    model = dataclasses.replace(model, num_blocks=int(capacity) // model.block_size)  # the replicas' pool
-    report = {"args": vars(ns), "calibration": str(cal), "cpu": model.cpu, "num_blocks": model.num_blocks,
-              "policies": []}
     try:
+        capacity = _gauge(httpx.get(f"{urls[0]}/metrics").text, "threefold:kv_cache_capacity_tokens")
+        model = dataclasses.replace(model, num_blocks=int(capacity) // model.block_size)  # the replicas' pool
+        report = {"args": vars(ns), "calibration": str(cal), "cpu": model.cpu, "num_blocks": model.num_blocks,
+                  "policies": []}
         delays = probe_delays(urls, ns, keyer, model)
         model = delays.apply(model)
         report["delays"] = dataclasses.asdict(delays)
@@ -278,12 +289,9 @@ def main() -> None:
         for policy in ns.policies.split(","):
             report["policies"].append(run_policy(policy, urls, ns, sessions, keyer, model, schedule))
             print(json.dumps(report["policies"][-1]), flush=True)
+            (out / "validation.json").write_text(json.dumps(report, indent=1) + "\n")  # (--resimulate reads it)
     finally:
-        for process in engines:
-            process.terminate()
-        for process in engines:
-            process.wait(30)
-    (out / "validation.json").write_text(json.dumps(report, indent=1) + "\n")
+        stop(engines)
     (out / "validation.md").write_text(markdown(report))
     print(markdown(report))
 
