@@ -55,6 +55,7 @@ class DualMap(Policy):
         cfg = config or RouterConfig()
         self.rings = (HashRing(vnodes=cfg.vnodes, salt="dualmap-1"), HashRing(vnodes=cfg.vnodes, salt="dualmap-2"))
         self.queues: dict[str, InstanceQueue] = {}
+        self._queued: set[str] = set()  # instances whose queue may hold entries (dispatch and tick skip the rest)
         self.migrations: dict[str, int] = {}  # per source instance
         self.ttfts: deque[float] = deque(maxlen=cfg.ttft_window)
         self.tpct = TpctEstimate(cfg.tpct_s, cfg.ttft_window, cfg.adapt_tpct)
@@ -101,8 +102,9 @@ class DualMap(Policy):
 
     def dispatch(self, now: float) -> list[Assignment]:
         budget = max(1, round(self.config.slo_s / self.tpct.value))
-        for name, queue in self.queues.items():
-            if not queue or not self._ready_to_pull(name, now):
+        for name in self._with_queue():
+            queue = self.queues[name]
+            if not self._ready_to_pull(name, now):
                 continue
             taken = 0
             while queue and (taken == 0 or taken + queue.peek().miss <= budget):
@@ -126,9 +128,14 @@ class DualMap(Policy):
         super().on_finished(request_id, now)
 
     def tick(self, now: float) -> None:
-        for name in list(self.queues):
+        for name in list(self.queues):  # every one: a rebalance may queue requests on instances further on
             if self._is_hotspot(name, now):
                 self.rebalance(name, now)
+
+    def _with_queue(self) -> list[str]:
+        """Instances with queued requests, in join order; forgets the ones whose queue emptied."""
+        self._queued = {name for name in self._queued if self.queues.get(name)}
+        return sorted(self._queued, key=self._index.__getitem__)
 
     # ---- the choice (steps 1-4) -------------------------------------------
 
@@ -160,7 +167,7 @@ class DualMap(Policy):
         self._push(target, request, self._priority(self.predicted_ttft(target, request)))
         c1, c2 = self.candidates(request)
         if self._overloaded(c1) and self._overloaded(c2):
-            for name in {c1, c2}:
+            for name in dict.fromkeys((c1, c2)):  # (a set would visit them in a per-process hash order)
                 self.rebalance(name, now)
 
     def _priority(self, predicted_ttft: float) -> int:
@@ -177,6 +184,7 @@ class DualMap(Policy):
     def _push(self, name: str, request: RouteRequest, priority: int, left: tuple[str, ...] = ()) -> None:
         miss = self._miss(name, request)
         self._tokens_ahead[request.request_id] = self.pending_tokens(name) + miss
+        self._queued.add(name)
         self.queues[name].push(Queued(priority, miss - request.num_tokens, request.arrival, next(self._seq),
                                       request, miss, left))
 
