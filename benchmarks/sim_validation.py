@@ -6,13 +6,18 @@
 1. Calibrate (`threefold bench calibrate`, one thread pinned to core 0, the replicas' KV budget),
    unless --calibration names a file.
 2. Start N `threefold serve` replicas, replica i pinned to core i mod #cores with one thread each,
-   so that replicas are the independent machines the simulator assumes.
+   so that replicas are the independent machines the simulator assumes. Measure the HTTP path's
+   dispatch and report delays with short requests one at a time (`threefold.sim.delays.probe`)
+   and add them to the engine model (also measured again over each policy's run, for the record).
 3. Per policy: a router configured from the calibration (block size, cache size, tpct), and
    ShareGPT sessions replayed on the simulator's own schedule (`Trace.arrivals`: Poisson session
    starts at rate / turns, each later turn an exponential think time after the previous answer).
    Each policy's first user messages carry a tag, so its sessions start cold.
 4. The trace the real run produced (each prompt's real token ids, hashed into blocks as the router
    and engines do; each answer's real length) is simulated with the same policy, rate and seed.
+   Twice: with the arrival times the real run had (`replayed`: the simulator's engine, cache and
+   router model on the same requests in the same order), and on the simulator's own closed-loop
+   schedule (`own schedule`: think times after simulated answers, as `threefold simulate` runs).
 5. TTFT p50/p90/p99/mean and prefix hit rate, real against simulated, and the relative error.
 """
 
@@ -41,6 +46,7 @@ from threefold.router.cli import free_port, wait_healthy
 from threefold.router.keys import PromptKeyer
 from threefold.router.proxy import ProxyConfig, Router
 from threefold.router.radix import block_hashes, prefix_key
+from threefold.sim.delays import Delays, delays_between, probe, scrape
 from threefold.sim.engine_model import EngineModel
 from threefold.sim.simulator import Simulator, router_config
 from threefold.sim.traces import Trace, Turn
@@ -72,7 +78,9 @@ def replay(url: str, ns, sessions, tag: str, keyer: PromptKeyer, starts, thinks)
             for turn, user in enumerate(sessions[index].user_turns[:ns.turns]):
                 messages.append({"role": "user", "content": f"[{tag}] {user}" if turn == 0 else user})
                 ids = keyer.token_ids("/v1/chat/completions", {"messages": messages})
+                sent = time.perf_counter() - t0
                 result = stream_turn(client, url, ns.model, messages, ns.max_tokens)
+                result["sent"] = sent
                 answer_ids = keyer.hf.encode(result["text"], add_special_tokens=False)
                 records[index].append({**result, "prompt_ids": ids, "answer_ids": answer_ids})
                 messages.append({"role": "assistant", "content": result["text"]})
@@ -87,12 +95,15 @@ def replay(url: str, ns, sessions, tag: str, keyer: PromptKeyer, starts, thinks)
     return records
 
 
-def trace_of(records: list[list[dict]], model: EngineModel, key_tokens: int, think_s: float) -> Trace:
+def trace_of(records: list[list[dict]], model: EngineModel, key_tokens: int, think_s: float,
+             replayed: bool = False) -> Trace:
+    """The real run's requests; `replayed`: at the times they were sent (else the simulator's schedule)."""
     bs = model.block_size
     sessions = [[Turn(len(r["prompt_ids"]), max(1, r["output"]), block_hashes(r["prompt_ids"], bs),
                       block_hashes(r["prompt_ids"] + r["answer_ids"], bs), prefix_key(r["prompt_ids"], bs, key_tokens))
                  for r in session] for session in records]
-    return Trace("replayed", sessions, think_s)
+    times = [[r["sent"] for r in session] for session in records] if replayed else None
+    return Trace("replayed" if replayed else "scheduled", sessions, think_s, times)
 
 
 def summary(ttfts: list[float], hit_rate: float) -> dict:
@@ -111,12 +122,15 @@ def run_policy(policy: str, urls: list[str], ns, sessions, keyer, model: EngineM
     url = f"http://127.0.0.1:{port}"
     while not _healthy(url):
         time.sleep(0.1)
+    before = scrape(url, urls)
     records = replay(url, ns, sessions, f"{policy}-{ns.seed}", keyer, *schedule)
+    in_run = delays_between(before, scrape(url, urls))
     state = httpx.get(f"{url}/router/state").json()["backends"]
     server.should_exit = True
     thread.join(10)
     (Path(ns.out) / f"records_{policy}.json").write_text(json.dumps(records))  # to re-simulate without a rerun
-    return {**compare(policy, records, ns, model, len(urls)), "routed": [s.get("routed", 0) for s in state.values()]}
+    return {**compare(policy, records, ns, model, len(urls)), "routed": [s.get("routed", 0) for s in state.values()],
+            "delays_in_run": dataclasses.asdict(in_run) if in_run else None}
 
 
 def compare(policy: str, records: list[list[dict]], ns, model: EngineModel, num_replicas: int) -> dict:
@@ -124,13 +138,34 @@ def compare(policy: str, records: list[list[dict]], ns, model: EngineModel, num_
     mismatched = sum(len(r["prompt_ids"]) != r["prompt"] for r in rows)
     real = summary([r["ttft"] for r in rows if r["ttft"] is not None],
                    sum(r["cached"] for r in rows) / max(1, sum(r["prompt"] for r in rows)))
-    trace = trace_of(records, model, router_config(model, ns.slo, ns.seed).key_tokens, ns.think)
-    sim = Simulator(model, num_replicas, policy, ns.slo, ns.seed).run(trace, ns.rate)
-    simulated = {"ttft_p50": sim.ttft_p50, "ttft_p90": sim.ttft_p90, "ttft_p99": sim.ttft_p99,
-                 "ttft_mean": sim.ttft_mean, "hit_rate": sim.hit_rate}
-    error = {k: simulated[k] / real[k] - 1 if real[k] else None for k in real}
-    return {"policy": policy, "requests": len(rows), "prompt_len_mismatches": mismatched, "real": real,
-            "sim": simulated, "error": error}
+    key_tokens = router_config(model, ns.slo, ns.seed).key_tokens
+    row = {"policy": policy, "requests": len(rows), "prompt_len_mismatches": mismatched, "real": real}
+    for name, replayed in (("replayed", True), ("scheduled", False)):
+        if replayed and any("sent" not in r for r in rows):
+            continue  # records of an older run
+        sim = Simulator(model, num_replicas, policy, ns.slo, ns.seed).run(
+            trace_of(records, model, key_tokens, ns.think, replayed), ns.rate)
+        simulated = {"ttft_p50": sim.ttft_p50, "ttft_p90": sim.ttft_p90, "ttft_p99": sim.ttft_p99,
+                     "ttft_mean": sim.ttft_mean, "hit_rate": sim.hit_rate}
+        row[name] = {"sim": simulated, "error": {k: simulated[k] / real[k] - 1 if real[k] else None for k in real}}
+    return row
+
+
+def probe_delays(urls: list[str], ns, keyer, model: EngineModel) -> Delays:
+    """The dispatch and report delays on idle replicas, through a round-robin router (2 requests each)."""
+    router = Router(urls, "round_robin", router_config(model, ns.slo, ns.seed), keyer, ProxyConfig())
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(router), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    while not _healthy(url):
+        time.sleep(0.1)
+    probe(url, urls, ns.model, 2)  # warm-up: first requests build caches
+    delays = probe(url, urls, ns.model, 4 * len(urls))
+    server.should_exit = True
+    thread.join(10)
+    return delays
 
 
 def _gauge(text: str, name: str) -> float:
@@ -156,18 +191,39 @@ def start_replicas(ns, model_path: Path | None = None) -> tuple[list[subprocess.
         engines.append(subprocess.Popen(pinned(cmd, i % cores), env={**os.environ, **PINNED_ENV},
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         urls.append(f"http://127.0.0.1:{port}")
-    for url, process in zip(urls, engines, strict=True):
-        wait_healthy(url, process)
+    try:
+        for url, process in zip(urls, engines, strict=True):
+            wait_healthy(url, process)
+    except BaseException:  # Ctrl-C or a replica that died: leave no orphans
+        stop(engines)
+        raise
     return engines, urls
 
 
+def stop(engines: list[subprocess.Popen]) -> None:
+    for process in engines:
+        process.terminate()
+    for process in engines:
+        process.wait(30)
+
+
 def markdown(report: dict) -> str:
-    lines = ["| policy | metric | real | simulated | error |", "|---|---|---|---|---|"]
+    delays = report.get("delays") or {}
+    head = (f"dispatch delay {delays.get('dispatch_s', 0.0) * 1e3:.1f} ms, "
+            f"report delay {delays.get('report_s', 0.0) * 1e3:.1f} ms")
+    lines = [head, "", "| policy | metric | real | sim, replayed | error | sim, own schedule | error |",
+             "|---|---|---|---|---|---|---|"]
     for row in report["policies"]:
         for key in ("ttft_p50", "ttft_p90", "ttft_p99", "ttft_mean", "hit_rate"):
-            err = row["error"][key]
-            lines.append(f"| {row['policy']} | {key} | {row['real'][key]:.3f} | {row['sim'][key]:.3f} "
-                         f"| {'-' if err is None else f'{err:+.1%}'} |")
+            cells = []
+            for name in ("replayed", "scheduled"):
+                sim = row.get(name)
+                if sim is None:
+                    cells += ["-", "-"]
+                    continue
+                err = sim["error"][key]
+                cells += [f"{sim['sim'][key]:.3f}", "-" if err is None else f"{err:+.1%}"]
+            lines.append(f"| {row['policy']} | {key} | {row['real'][key]:.3f} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -177,12 +233,13 @@ def resimulate(ns: argparse.Namespace) -> None:
     for key in ("rate", "slo", "seed", "think", "turns"):  # the run's own schedule and router settings
         setattr(ns, key, previous["args"][key])
     model = EngineModel.load(ns.calibration or previous["calibration"])
-    model = dataclasses.replace(model, num_blocks=previous["num_blocks"])
-    report = {**previous, "calibration": ns.calibration or previous["calibration"], "policies": []}
+    delays = Delays(**previous["delays"]) if previous.get("delays") and not ns.no_delays else Delays(0.0, 0.0, 0)
+    model = delays.apply(dataclasses.replace(model, num_blocks=previous["num_blocks"]))
+    report = {**previous, "calibration": ns.calibration or previous["calibration"], "policies": [],
+              "delays": dataclasses.asdict(delays)}
     for row in previous["policies"]:
         records = json.loads((out / f"records_{row['policy']}.json").read_text())
-        report["policies"].append({**compare(row["policy"], records, ns, model, previous["args"]["replicas"]),
-                                   "routed": row["routed"]})
+        report["policies"].append({**row, **compare(row["policy"], records, ns, model, previous["args"]["replicas"])})
     print(markdown(report))
 
 
@@ -203,6 +260,7 @@ def main() -> None:
     parser.add_argument("--resimulate", action="store_true",
                         help="no real run: simulate the records_<policy>.json a run left in --out again "
                              "(with --calibration, e.g. a refitted one)")
+    parser.add_argument("--no-delays", action="store_true", help="with --resimulate: without the HTTP delays")
     parser.add_argument("--out", required=True)
     ns = parser.parse_args()
     if ns.resimulate:
@@ -219,20 +277,21 @@ def main() -> None:
     schedule = placeholder.arrivals(ns.rate, ns.seed)
     keyer = PromptKeyer(ns.model)
     engines, urls = start_replicas(ns)
-    capacity = _gauge(httpx.get(f"{urls[0]}/metrics").text, "threefold:kv_cache_capacity_tokens")
-    model = dataclasses.replace(model, num_blocks=int(capacity) // model.block_size)  # the replicas' pool
-    report = {"args": vars(ns), "calibration": str(cal), "cpu": model.cpu, "num_blocks": model.num_blocks,
-              "policies": []}
     try:
+        capacity = _gauge(httpx.get(f"{urls[0]}/metrics").text, "threefold:kv_cache_capacity_tokens")
+        model = dataclasses.replace(model, num_blocks=int(capacity) // model.block_size)  # the replicas' pool
+        report = {"args": vars(ns), "calibration": str(cal), "cpu": model.cpu, "num_blocks": model.num_blocks,
+                  "policies": []}
+        delays = probe_delays(urls, ns, keyer, model)
+        model = delays.apply(model)
+        report["delays"] = dataclasses.asdict(delays)
+        print(f"HTTP delays: {report['delays']}", flush=True)
         for policy in ns.policies.split(","):
             report["policies"].append(run_policy(policy, urls, ns, sessions, keyer, model, schedule))
             print(json.dumps(report["policies"][-1]), flush=True)
+            (out / "validation.json").write_text(json.dumps(report, indent=1) + "\n")  # (--resimulate reads it)
     finally:
-        for process in engines:
-            process.terminate()
-        for process in engines:
-            process.wait(30)
-    (out / "validation.json").write_text(json.dumps(report, indent=1) + "\n")
+        stop(engines)
     (out / "validation.md").write_text(markdown(report))
     print(markdown(report))
 

@@ -144,7 +144,9 @@ def test_dualmap_prefers_the_cached_candidate_until_its_ttft_passes_half_the_slo
     # 60 tokens: 0.61 > SLO/2 -> argmin TTFT: c1 costs 0.01 * 40 = 0.40 < 0.61
     policy.backends[c2].prefilling["busy"] = 60
     assert policy.choose(r, 0.0) == c1
-    policy.backends[c1].prefilling["busy2"] = 100  # c1 now worse (1.40): back to c2
+    policy.backends[c1].prefilling["busy2"] = 100  # c1 now worse (1.40): back to c2 ...
+    for name in set(policy.backends) - {c1, c2}:
+        policy.backends[name].prefilling["busy"] = 100  # ... when no other instance has room (else: spill)
     assert policy.choose(r, 0.0) == c2
 
 
@@ -350,3 +352,18 @@ def test_dualmap_spills_past_overloaded_neighbours_to_the_first_with_room():
     expected = next(n for n in ("i1", "i2", "i3", "i4") if n not in overloaded)
     assert policy.rebalance("i0", 0.0) == 1
     assert [e.request.request_id for e in policy.queues[expected].entries()] == [r.request_id]
+
+
+def test_dualmap_spills_a_new_request_along_its_ring_when_both_candidates_are_overloaded():
+    policy = dualmap(n=6)
+    r = req("hot", [7] * 12)
+    c1, c2 = policy.candidates(r)
+    walk = [n for n in policy.rings[0].walk(r.key) if n not in (c1, c2)]
+    policy.backends[c1].prefilling["busy"] = 200  # 2 s pending > the 1 s SLO
+    assert policy.choose(r, 0.0) != c1  # one candidate overloaded: DualMap's own choice (the other)
+    policy.backends[c2].prefilling["busy"] = 200
+    policy.backends[walk[0]].prefilling["busy"] = 200
+    assert policy.choose(r, 0.0) == walk[1]  # both past SLO/2: the first with room along the key's ring
+    for name in walk:
+        policy.backends[name].prefilling["busy"] = 200
+    assert policy.choose(r, 0.0) in (c1, c2)  # nowhere with room: queue at a candidate, as before

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from threefold.cli import main as cli_main
 from threefold.engine.llm_engine import EngineArgs, LLMEngine
+from threefold.errors import ThreefoldError
 from threefold.router.app import build_app
 from threefold.router.config import RouterConfig
 from threefold.router.keys import PromptKeyer
@@ -77,6 +78,12 @@ def prefix_hits(url: str) -> float:
     return sum(s.value for f in families if f.name == "vllm:prefix_cache_hits" for s in f.samples)
 
 
+def histogram_counts(url: str) -> dict[str, float]:
+    families = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+    return {f.name: sum(s.value for s in f.samples if s.name.endswith("_count")) for f in families
+            if f.type == "histogram"}
+
+
 def test_bad_cli_input_gets_a_clear_error(capsys):
     assert cli_main(["router"]) == 2
     assert "needs at least one --backend" in capsys.readouterr().err
@@ -100,6 +107,9 @@ def test_router_takes_tpct_and_pool_size_from_a_calibration(tmp_path):
     config = router_config(ns)
     assert config.tpct_s == pytest.approx(0.002) and config.cache_capacity_blocks == 300 and config.slo_s == 5.0
     assert router_config(argparse.Namespace(**{**vars(ns), "tpct": 0.01})).tpct_s == 0.01
+    assert router_config(argparse.Namespace(**{**vars(ns), "block_size": None})).block_size == 16
+    with pytest.raises(ThreefoldError, match="--block-size 32 conflicts with the block size 16"):
+        router_config(argparse.Namespace(**{**vars(ns), "block_size": 32}))
 
 
 def test_streaming_non_streaming_models_and_malformed(backends, keyer):
@@ -113,6 +123,11 @@ def test_streaming_non_streaming_models_and_malformed(backends, keyer):
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert chunks[-1].choices[0].finish_reason == "length"
         assert [m.id for m in client.models.list().data] == [MODEL]
+        counts = histogram_counts(front.url)  # the non-streamed answer is not a TTFT
+        assert counts["threefold:router_time_to_first_token_seconds"] == 1
+        assert counts["threefold:router_backend_first_token_seconds"] == 1
+        assert counts["threefold:router_request_latency_seconds"] == 2
+        assert counts["threefold:router_backend_accept_seconds"] == 2
         for body in (b"{bad", b'{"model": "smollm2-135m", "prompt": 5}', b'{"prompt": "x", "max_tokens": -1}'):
             headers = {"content-type": "application/json"}
             direct = httpx.post(f"{backends[0].url}/v1/completions", content=body, headers=headers)

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import random
+
 import pytest
 
+from threefold.core.block_pool import BlockPool
 from threefold.errors import ThreefoldError
 from threefold.router.policies import policy_names
+from threefold.sim.block_pool import SimBlockPool
+from threefold.sim.delays import ACCEPT, ENGINE_TTFT, FIRST_TOKEN, Delays, Scrape, delays_between
 from threefold.sim.engine_model import EngineModel, StepPoint
 from threefold.sim.instance import Instance, SimRequest
 from threefold.sim.simulator import Simulator, simulate
@@ -39,7 +46,8 @@ def _model() -> EngineModel:
 
 def test_deterministic_for_a_seed():
     trace = sessions_trace(60, seed=3, conversations=_conversations())
-    runs = [simulate(_model(), trace, 4, "dualmap", 6.0, 0.5, seed) for seed in (7, 7, 8)]
+    model = dataclasses.replace(_model(), dispatch_delay_s=0.01, report_delay_s=0.02)
+    runs = [simulate(model, trace, 4, "dualmap", 6.0, 0.5, seed) for seed in (7, 7, 8)]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
 
@@ -77,26 +85,104 @@ def _serve(instance: Instance, request: SimRequest, now: float) -> float:
     return now
 
 
-def test_prefix_cache_lru_and_hit_accounting():
-    model = EngineModel({1: 0.01}, 0.0, block_size=4, num_blocks=4)
+def test_instance_admits_on_free_blocks_and_evicts_only_unheld_ones():
+    model = EngineModel({1: 0.01, 64: 0.05}, 0.0, block_size=4, num_blocks=4, max_num_batched_tokens=64)
     inst = Instance("i0", model)
 
-    def request(name: str, hashes: tuple[int, ...], prompt_len: int = 12) -> SimRequest:
-        return SimRequest(name, prompt_len, 1, hashes, hashes, 0, 0.0)
+    def request(name: str, prompt_len: int, output_len: int, hashes: tuple[int, ...], now: float) -> SimRequest:
+        return SimRequest(name, prompt_len, output_len, hashes[:prompt_len // 4], hashes, 0, now)
 
-    now = 0.0
-    hits = {}
-    for name, hashes in (("a", (1, 2, 3)), ("b", (1, 2, 9)), ("c", (5, 6)), ("d", (1, 2)), ("e", (5, 6, 7))):
-        r = request(name, hashes)
-        now = _serve(inst, r, now)
-        hits[name] = r.hit_tokens
-    # a cold; b shares 2 blocks; c evicts the LRU blocks 3 then 1; d's chain breaks at block 1;
-    # e finds c's two blocks. A full-prompt hit still computes one token (prompt_len - 1 at most).
-    assert hits == {"a": 0, "b": 8, "c": 0, "d": 0, "e": 8}
-    assert len(inst.cache) == 4
-    full = request("f", (5, 6, 7))
-    _serve(inst, full, now)
-    assert full.hit_tokens == 11
+    long = request("long", 8, 5, (1, 2, 3), 0.0)  # 2 prompt blocks, then 1 more for its output
+    end = inst.enqueue(long, 0.0)
+    inst.complete(end)
+    assert long.blocks == [1, 2, -3] and inst.pool.num_free == 1
+    short = request("short", 4, 1, (9,), end)
+    assert inst.enqueue(short, end) is not None  # cuts long's decode stretch; 1 free block is enough
+    waiting = request("waiting", 8, 1, (5, 6), end)
+    inst.enqueue(waiting, end)
+    now = end
+    while long.finish is None:
+        now = inst.end
+        _, finished = inst.complete(now)
+        for r in finished:
+            r.finish = now
+        assert waiting.remaining == -1 or long.finish is not None  # no blocks for it while long runs
+        inst.start(now)
+    # long's output block was published at its finish (12 computed tokens: blocks 1, 2, 3) and freed
+    # tail first, after short's: the free queue is 9, 3, 2, 1. waiting takes the two oldest (9, 3).
+    while inst.end is not None:
+        now = inst.end
+        inst.complete(now)
+        inst.start(now)
+    assert waiting.remaining == 0 and waiting.hit_tokens == 0
+    assert [h for h in (1, 2, 3, 5, 6, 9) if h in inst.pool] == [1, 2, 5, 6]
+    again = request("again", 12, 1, (1, 2, 3), now)
+    _serve(inst, again, now)
+    assert again.hit_tokens == 8  # (12 - 1) // 4 blocks at most: the last token is always computed
+
+
+def test_sim_block_pool_frees_tail_first_and_never_evicts_held_blocks():
+    pool = SimBlockPool(4)
+    a: list[int] = []
+    pool.allocate(a, 3)
+    pool.publish(a, (1, 2, 3))
+    pool.free(a)  # free queue: (never used), 3, 2, 1
+    b: list[int] = []
+    pool.touch(b, (1, 2))
+    pool.allocate(b, 2)  # the never-used block, then 3 (the least recently freed)
+    pool.publish(b, (1, 2, 7, 8), 2)
+    assert b == [1, 2, 7, 8] and pool.match((1, 2, 3)) == 2 and pool.num_free == 0
+    c: list[int] = []
+    pool.allocate(c, 1)  # nothing free: beyond capacity (the simulator does not preempt)
+    assert pool.over_capacity == 1 and len(pool) == 4
+    pool.free(b)  # its tail block (8) is the one dropped to get back to 4 blocks
+    assert pool.over_capacity == 0 and pool.match((1, 2, 7, 8)) == 3
+    pool.free(c)
+    d: list[int] = []
+    pool.allocate(d, 2)  # evicts 7 then 2: the chain's head (1) outlives its tail
+    assert pool.match((1, 2)) == 1 and len(pool) == 1
+
+
+def test_sim_block_pool_matches_the_engines_block_pool_op_for_op():
+    rng = random.Random(0)
+    num_blocks = 24
+    sim, real = SimBlockPool(num_blocks), BlockPool(num_blocks + 1)  # the engine's block 0 is the null block
+    active: dict[int, tuple[list[int], list]] = {}
+    seen: set[int] = set()
+    fresh = itertools.count(10_000)
+    for op in range(600):
+        if active and (rng.random() < 0.45 or len(active) > 5):
+            sim_held, real_blocks = active.pop(rng.choice(sorted(active)))
+            sim.free(sim_held)
+            real.free_blocks(reversed(real_blocks))
+        else:
+            family, shared, length = rng.randrange(4), rng.randrange(6), rng.randrange(1, 7)
+            hashes = tuple(family * 100 + i if i < shared else next(fresh) for i in range(length))
+            seen.update(hashes)
+            hits = []
+            for h in hashes:
+                block = real.get_cached_block(h.to_bytes(8, "big"), None)
+                if block is None:
+                    break
+                hits.append(block)
+            assert sim.match(hashes) == len(hits)
+            num_new = length - len(hits)
+            revived = sum(1 for b in hits if b.ref_cnt == 0)
+            fits = num_new <= real.num_free_blocks - revived
+            assert sim.fits(hashes[:len(hits)], num_new) == fits
+            if not fits:
+                continue
+            held: list[int] = []
+            sim.touch(held, hashes[:len(hits)])
+            sim.allocate(held, num_new)
+            sim.publish(held, hashes, len(hits))
+            real.touch(hits)
+            blocks = hits + real.get_new_blocks(num_new)
+            for block, h in zip(blocks[len(hits):], hashes[len(hits):], strict=True):
+                real.cache_block(block, h.to_bytes(8, "big"), None)
+            active[op] = (held, blocks)
+        assert {h for h in seen if h in sim} == {int.from_bytes(k, "big") for k in real.cached}, op
+        assert sim.num_free == real.num_free_blocks
 
 
 def test_a_chunk_after_a_cached_prefix_pays_for_attending_to_it():
@@ -151,3 +237,37 @@ def test_effective_capacity_bisects_the_90_percent_crossing():
     assert parse_seconds("500ms") == 0.5 and parse_seconds("1s") == 1.0
     with pytest.raises(ThreefoldError):
         parse_seconds("soon")
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "dualmap"])
+def test_dispatch_and_report_delays_shift_ttft_exactly(policy):
+    # Two one-token requests at t = 1 ms on one replica, each prefill 0.1 s. Immediate binding: the
+    # second queues behind the first in the replica, so each TTFT grows by d + r once. Late binding
+    # (DualMap pulls one prompt per SLO/tpct = 64 tokens): the second is sent only when the first's
+    # token is reported, so its TTFT grows by d + r twice.
+    d, r = 0.03, 0.02
+    trace = dataclasses.replace(_single_turn_trace(2, 64), arrival_times=[[0.001], [0.001]])
+
+    def ttfts(dispatch: float, report: float) -> list[float]:
+        model = EngineModel({64: 0.1}, 0.0, max_num_batched_tokens=64, dispatch_delay_s=dispatch,
+                            report_delay_s=report)
+        sim = Simulator(model, 1, policy, slo_s=0.1)
+        sim.run(trace, 1.0)
+        return [q.first_token - q.arrival for q in sorted(sim.done, key=lambda q: q.request_id)]  # type: ignore
+
+    base, delayed = ttfts(0.0, 0.0), ttfts(d, r)
+    shifts = [1, 1] if policy == "round_robin" else [1, 2]
+    assert delayed == pytest.approx([t + k * (d + r) for t, k in zip(base, shifts, strict=True)], abs=1e-9)
+    assert base[0] == pytest.approx(0.1 if policy == "round_robin" else 0.1 + 0.002)  # + the dispatch quantum
+
+
+def test_http_delays_from_two_scrapes():
+    before = Scrape({ACCEPT: (1.0, 10), FIRST_TOKEN: (20.0, 10), ENGINE_TTFT: (15.0, 10)})
+    after = Scrape({ACCEPT: (1.5, 20), FIRST_TOKEN: (26.0, 20), ENGINE_TTFT: (20.0, 20)})
+    delays = delays_between(before, after)
+    assert delays == Delays(dispatch_s=pytest.approx(0.05), report_s=pytest.approx(0.05), requests=10)
+    model = delays.apply(_model())
+    assert (model.dispatch_delay_s, model.report_delay_s) == (delays.dispatch_s, delays.report_s)
+    assert delays_between(after, after) is None
+    late_headers = Scrape({ACCEPT: (3.0, 20), FIRST_TOKEN: (26.0, 20), ENGINE_TTFT: (20.0, 20)})
+    assert delays_between(before, late_headers) == Delays(pytest.approx(0.1), pytest.approx(0.0), 10)

@@ -33,7 +33,8 @@ def _common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", default="smollm2-135m", help="whose tokenizer keys the prefixes")
     parser.add_argument("--tokenizer", default=None, help="HF directory or .gguf (default: the model's)")
-    parser.add_argument("--block-size", type=int, default=16, help="the engines' KV block size")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="the engines' KV block size (default: the calibration's, else 16)")
     parser.add_argument("--slo", type=float, default=5.0, help="DualMap TTFT SLO, seconds")
     parser.add_argument("--tpct", type=float, default=None,
                         help="DualMap prefill seconds per uncached token, the starting value it refits to observed "
@@ -65,9 +66,14 @@ def router_config(ns: argparse.Namespace) -> RouterConfig:
         from threefold.sim.engine_model import EngineModel
         from threefold.sim.simulator import router_config as calibrated
 
-        config = calibrated(EngineModel.load(ns.calibration), ns.slo, 0)
+        model = EngineModel.load(ns.calibration)
+        if ns.block_size is not None and ns.block_size != model.block_size:
+            raise ThreefoldError(f"--block-size {ns.block_size} conflicts with the block size {model.block_size} "
+                                 f"of --calibration {ns.calibration}: the engines have one block size; drop "
+                                 "--block-size or calibrate engines with that block size", param="block_size")
+        config = calibrated(model, ns.slo, 0)
         return config if ns.tpct is None else dataclasses.replace(config, tpct_s=ns.tpct)
-    return RouterConfig(block_size=ns.block_size, slo_s=ns.slo, tpct_s=0.0005 if ns.tpct is None else ns.tpct)
+    return RouterConfig(block_size=ns.block_size or 16, slo_s=ns.slo, tpct_s=0.0005 if ns.tpct is None else ns.tpct)
 
 
 def cmd_router(ns: argparse.Namespace) -> int:

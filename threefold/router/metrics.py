@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+DELAY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TTFT_BUCKETS = (0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
@@ -29,8 +30,20 @@ class RouterMetrics:
                                 labels, registry=reg)
         self.healthy = Gauge("threefold:router_backend_healthy", "1 while the backend is in the rings.", labels,
                              registry=reg)
-        self.ttft = Histogram("threefold:router_time_to_first_token_seconds", "TTFT seen through the router.",
+        self.ttft = Histogram("threefold:router_time_to_first_token_seconds",
+                              "TTFT of streamed requests through the router: arrival to the first token's event.",
                               labels, buckets=TTFT_BUCKETS, registry=reg)
+        self.latency = Histogram("threefold:router_request_latency_seconds",
+                                 "Arrival at the router to the end of the answer, streamed or not.", labels,
+                                 buckets=TTFT_BUCKETS, registry=reg)
+        self.backend_accept = Histogram(
+            "threefold:router_backend_accept_seconds",
+            "Dispatch until the backend's response headers (HTTP, parsing, tokenizing, joining the engine's queue).",
+            labels, buckets=DELAY_BUCKETS, registry=reg)
+        self.backend_first_token = Histogram(
+            "threefold:router_backend_first_token_seconds",
+            "Dispatch until the backend's first token event (streams): its TTFT plus the HTTP path both ways.",
+            labels, buckets=TTFT_BUCKETS, registry=reg)
         self.queue_time = Histogram("threefold:router_queue_time_seconds",
                                     "Seconds from arrival at the router to dispatch to a backend.", ["policy"],
                                     buckets=TTFT_BUCKETS, registry=reg)

@@ -177,18 +177,20 @@ class Router:
             hit = self.policy.routed_hit_tokens(request.request_id)
             self.metrics.routed(backend, len(tokens), hit, time.monotonic() - arrival)
             upstream = self.client.build_request("POST", backend + path, content=raw_body, headers=headers)
+            sent = time.monotonic()
             try:
                 response = await self.client.send(upstream, stream=True)
             except httpx.HTTPError as exc:
                 last_error = self._failed(request, backend, f"connect: {exc!r}")
                 continue
+            self.metrics.backend_accept.labels(self.metrics.policy, backend).observe(time.monotonic() - sent)
             if response.status_code == 503:
                 await response.aclose()
                 retry_after = _retry_after(response.headers.get("retry-after"))
                 last_error = self._failed(request, backend, "503", cooling_s=retry_after)
                 continue
             if stream and response.status_code == 200:
-                return "stream", self._relay(request, backend, response, arrival)
+                return "stream", self._relay(request, backend, response, arrival, sent)
             try:
                 content = await response.aread()
             except httpx.HTTPError as exc:  # nothing reached the client yet: safe to retry elsewhere
@@ -214,14 +216,14 @@ class Router:
 
     def _done(self, request: RouteRequest, backend: str, arrival: float, first_token: bool) -> None:
         now = time.monotonic()
-        if first_token:  # a non-streamed answer: its "first token" came with the last one
+        if first_token:  # a non-streamed answer: its "first token" came with the last one (not a TTFT)
             self.policy.on_first_token(request.request_id, now, measured=False)
-            self.metrics.ttft.labels(self.metrics.policy, backend).observe(now - arrival)
+        self.metrics.latency.labels(self.metrics.policy, backend).observe(now - arrival)
         self.policy.on_finished(request.request_id, now)
         self._pump()
 
     async def _relay(self, request: RouteRequest, backend: str, response: httpx.Response,
-                     arrival: float) -> AsyncIterator[bytes]:
+                     arrival: float, sent: float) -> AsyncIterator[bytes]:
         """Pass whole SSE events through as they arrive; a broken backend ends the stream cleanly."""
         buffer, started, done = b"", False, False
         try:
@@ -230,9 +232,10 @@ class Router:
                 *events, buffer = buffer.split(b"\n\n")
                 for event in events:
                     if not started and b'"role"' not in event:  # the first token, not the role chunk
-                        started = True
-                        self.policy.on_first_token(request.request_id, time.monotonic())
-                        self.metrics.ttft.labels(self.metrics.policy, backend).observe(time.monotonic() - arrival)
+                        started, now = True, time.monotonic()
+                        self.policy.on_first_token(request.request_id, now)
+                        self.metrics.ttft.labels(self.metrics.policy, backend).observe(now - arrival)
+                        self.metrics.backend_first_token.labels(self.metrics.policy, backend).observe(now - sent)
                         self._pump()
                     done = done or event.strip() == SSE_DONE.strip()
                     yield event + b"\n\n"

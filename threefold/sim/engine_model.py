@@ -51,6 +51,11 @@ class EngineModel:
     block_size: int = 16
     num_blocks: int = 4096
     """KV blocks of one replica (its budget / bytes per block): the prefix cache's capacity."""
+    dispatch_delay_s: float = 0.0
+    """Router binds a request -> its replica's scheduler has it (HTTP, parsing, chat template, tokenizing),
+    measured through a real router (`threefold.sim.delays`); 0 in older files."""
+    report_delay_s: float = 0.0
+    """A replica's step made a token -> the router and client see it (detokenizing, SSE, HTTP); 0 in older files."""
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     model: str = ""

@@ -1,10 +1,15 @@
-"""One simulated replica: a waiting queue, continuous batching, an LRU prefix cache.
+"""One simulated replica: a waiting queue, continuous batching, the engine's KV block pool.
 
 Like the engine's scheduler, a step runs one token for every decode and
 spends the rest of `max_num_batched_tokens` on prefill, chunked, first come
 first served from the waiting queue. A request's cached prefix (its leading
-block hashes found in this replica's cache) is skipped; its prompt blocks are
-cached when its prefill ends and its prompt+output blocks when it finishes.
+block hashes found in this replica's pool, `SimBlockPool`: the engine's
+`BlockPool` rules) is skipped. As in `KVCacheManager`, a request is admitted
+only when the pool has blocks for its first chunk (else it and everyone behind
+it waits), each chunk's full blocks are published as it is scheduled, its
+output blocks are taken at its first token and published when it finishes,
+and its blocks are freed tail first then: only blocks no running request
+holds are evicted.
 
 Runs of decode-only steps are one event (a "stretch"): nothing changes inside
 one but the context, which grows by the decode count each step, so step j of
@@ -12,9 +17,10 @@ a stretch lasts A + B*j and k steps last k*A + B*k(k-1)/2. An arrival cuts
 the stretch after the step in progress. This keeps the simulator's events per
 request O(1) instead of O(output tokens).
 
-Simplifications (stated, deliberate): no preemption (the KV of running
-requests is assumed to fit), and running requests' blocks do not shrink the
-prefix cache's capacity.
+Simplifications (stated, deliberate): no preemption (a running request that
+needs blocks the pool lacks gets them beyond its size, `SimBlockPool.allocate`),
+and output blocks are taken all at once at the first token (the engine takes
+one per `block_size` tokens decoded).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from threefold.router.radix import PrefixIndex
+from threefold.sim.block_pool import SimBlockPool
 from threefold.sim.engine_model import EngineModel
 
 
@@ -46,13 +52,15 @@ class SimRequest:
     """Prefill tokens still to compute; -1 until the request is admitted."""
     first_token: float | None = None
     finish: float | None = None
+    blocks: list[int] = field(default_factory=list)
+    """The KV blocks it holds on its instance (SimBlockPool keys), in token order."""
 
 
 @dataclass
 class Instance:
     name: str
     model: EngineModel
-    cache: PrefixIndex = field(init=False)
+    pool: SimBlockPool = field(init=False)
     waiting: deque[SimRequest] = field(default_factory=deque)
     decodes: list[tuple[int, int, SimRequest]] = field(default_factory=list)
     """Heap of (step count at which it finishes, seq, request)."""
@@ -71,7 +79,7 @@ class Instance:
     _seq: int = 0
 
     def __post_init__(self) -> None:
-        self.cache = PrefixIndex(self.model.num_blocks)
+        self.pool = SimBlockPool(self.model.num_blocks)
 
     @property
     def busy(self) -> bool:
@@ -95,9 +103,9 @@ class Instance:
             for request in self.waiting:
                 if budget <= 0 or num_decodes + len(self._chunks) >= self.model.max_num_seqs:
                     break
-                if request.remaining < 0:
-                    self._admit(request)
-                chunk = min(request.remaining, budget)
+                chunk = self._schedule(request, budget)
+                if not chunk:
+                    break  # no blocks for it: it and everyone behind it wait (FCFS, as the engine)
                 self._chunks.append((request, chunk))
                 budget -= chunk
             tokens = sum(c for _, c in self._chunks)
@@ -114,11 +122,26 @@ class Instance:
             self.version += 1
         return self.end
 
-    def _admit(self, request: SimRequest) -> None:
-        matched = self.cache.match(request.prompt_hashes)
-        hit = min(matched * self.model.block_size, request.prompt_len - 1)
-        self.cache.insert(request.prompt_hashes[:matched])  # a hit refreshes its blocks' LRU position
-        request.hit_tokens, request.remaining = hit, request.prompt_len - hit
+    def _schedule(self, request: SimRequest, budget: int) -> int:
+        """Blocks for the request's next chunk, admitting it first if it is new; its size, 0 when it must wait.
+
+        Admission matches at most (prompt_len - 1) // block_size blocks (the last token is always
+        computed) and needs free blocks for the first chunk unless nothing else runs here."""
+        bs = self.model.block_size
+        if request.remaining < 0:
+            usable = request.prompt_hashes[:(request.prompt_len - 1) // bs]
+            hits = usable[:self.pool.match(usable)]
+            chunk = min(request.prompt_len - len(hits) * bs, budget)
+            if not self.pool.fits(hits, -(-chunk // bs)) and (self._chunks or self.decodes):
+                return 0
+            self.pool.touch(request.blocks, hits)
+            request.hit_tokens = len(hits) * bs
+            request.remaining = request.prompt_len - request.hit_tokens
+        computed = request.prompt_len - request.remaining
+        chunk = min(request.remaining, budget)
+        self.pool.allocate(request.blocks, -(-(computed + chunk) // bs) - len(request.blocks))
+        self.pool.publish(request.blocks, request.prompt_hashes[:(computed + chunk) // bs], computed // bs)
+        return chunk
 
     def _cut(self, now: float) -> float:
         """End the stretch after the step in progress at `now`."""
@@ -149,7 +172,6 @@ class Instance:
             request.remaining -= chunk
             if request.remaining == 0:
                 self.waiting.remove(request)
-                self.cache.insert(request.prompt_hashes)
                 first.append(request)
         finished: list[SimRequest] = []
         while self.decodes and self.decodes[0][0] <= self.steps:
@@ -160,6 +182,8 @@ class Instance:
             if request.output_len <= 1:
                 finished.append(self._finish(request))
             else:
+                total = -(-(request.prompt_len + request.output_len - 1) // self.model.block_size)
+                self.pool.allocate(request.blocks, total - len(request.blocks))
                 self._seq += 1
                 heapq.heappush(self.decodes, (self.steps + request.output_len - 1, self._seq, request))
                 self.context += request.prompt_len + 1
@@ -167,5 +191,9 @@ class Instance:
         return first, finished
 
     def _finish(self, request: SimRequest) -> SimRequest:
-        self.cache.insert(request.cache_hashes)
+        """Publish its output's full blocks (the last token's KV is never computed), then free them all."""
+        bs = self.model.block_size
+        computed = request.cache_hashes[:(request.prompt_len + request.output_len - 1) // bs]
+        self.pool.publish(request.blocks, computed, request.prompt_len // bs)
+        self.pool.free(request.blocks)
         return request

@@ -8,6 +8,13 @@ cost. Policies that queue and bind late (DualMap: `dispatch` scans every
 instance) are polled at most once per `dispatch_quantum_s` of simulated time,
 like a router's event loop, so 1000 instances stay affordable; the others
 hand back their choice at once and are dispatched immediately.
+
+The HTTP path between router and replicas is two calibrated delays
+(`EngineModel.dispatch_delay_s`, `report_delay_s`): a dispatched request
+reaches its replica's queue one dispatch delay later, and a first token or a
+finish reaches the router, the client and the policy (late binding waits on
+it) one report delay after the step that made it. A TTFT is what the client
+sees: arrival at the router to the report of the first token.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from threefold.sim.engine_model import EngineModel
 from threefold.sim.instance import Instance, SimRequest
 from threefold.sim.traces import Trace
 
-ARRIVE, STEP, DISPATCH, TICK = 0, 1, 2, 3
+ARRIVE, STEP, DISPATCH, TICK, ENQUEUE, REPORT = range(6)
 
 
 @dataclass(frozen=True)
@@ -71,17 +78,28 @@ class Simulator:
         self._requests: dict[str, SimRequest] = {}
         self._dispatch_at: float | None = None
         self._outstanding = 0
+        self.done: list[SimRequest] = []
+        """Finished requests, in the order the router saw them finish."""
+        self._trace: Trace | None = None
+        self._thinks = np.zeros(0)
+        self._think_at = np.zeros(1, dtype=int)
 
     def _push(self, time: float, kind: int, payload: object) -> None:
         heapq.heappush(self._events, (time, next(self._seq), kind, payload))
 
     def run(self, trace: Trace, rate: float) -> RunResult:
-        starts, thinks = trace.arrivals(rate, self.seed)
-        think_at = np.concatenate([[0], np.cumsum([len(s) for s in trace.sessions])])
-        for index, start in enumerate(starts.tolist()):
-            self._push(start, ARRIVE, (index, 0))
+        starts, self._thinks = trace.arrivals(rate, self.seed)
+        self._trace = trace
+        self._think_at = np.concatenate([[0], np.cumsum([len(s) for s in trace.sessions])])
+        if trace.arrival_times is not None:  # replayed: every turn at its recorded time
+            for index, times in enumerate(trace.arrival_times):
+                for turn, time in enumerate(times):
+                    self._push(time, ARRIVE, (index, turn))
+        else:
+            for index, start in enumerate(starts.tolist()):
+                self._push(start, ARRIVE, (index, 0))
         self._push(0.0, TICK, None)
-        done: list[SimRequest] = []
+        self.done = []
         now, total = 0.0, trace.num_requests
         while self._events:
             now, _, kind, payload = heapq.heappop(self._events)
@@ -90,19 +108,19 @@ class Simulator:
                 self._arrive(trace, session, turn, now)
             elif kind == STEP:
                 name, version = cast(tuple[str, int], payload)
-                for request in self._step(self.instances[name], version, now):
-                    done.append(request)
-                    if request.turn + 1 < len(trace.sessions[request.session]):
-                        gap = float(thinks[think_at[request.session] + request.turn])
-                        self._push(now + gap, ARRIVE, (request.session, request.turn + 1))
+                self._step(self.instances[name], version, now)
+            elif kind == ENQUEUE:
+                self._enqueue(cast(SimRequest, payload), now)
+            elif kind == REPORT:
+                self._report(*cast(tuple[list[SimRequest], list[SimRequest]], payload), now)
             elif kind == DISPATCH:
                 self._dispatch_at = None
                 self._dispatch(now)
-            elif kind == TICK and (self._outstanding or len(done) < total):
+            elif kind == TICK and (self._outstanding or len(self.done) < total):
                 self.policy.tick(now)
                 self._dispatch(now)
                 self._push(now + self.tick_s, TICK, None)
-        return self._result(trace, rate, done, now)
+        return self._result(trace, rate, self.done, now)
 
     def _arrive(self, trace: Trace, session: int, turn: int, now: float) -> None:
         t = trace.sessions[session][turn]
@@ -121,18 +139,37 @@ class Simulator:
             self._push(self._dispatch_at, DISPATCH, None)
 
     def _dispatch(self, now: float) -> None:
+        """Send the policy's assignments; each reaches its replica `dispatch_delay_s` later."""
         for request_id, backend in self.policy.dispatch(now):
             request = self._requests[request_id]
             request.backend = backend
-            instance = self.instances[backend]
-            end = instance.enqueue(request, now)
-            if end is not None:
-                self._push(end, STEP, (backend, instance.version))
+            if self.model.dispatch_delay_s > 0:
+                self._push(now + self.model.dispatch_delay_s, ENQUEUE, request)
+            else:
+                self._enqueue(request, now)
 
-    def _step(self, instance: Instance, version: int, now: float) -> list[SimRequest]:
+    def _enqueue(self, request: SimRequest, now: float) -> None:
+        instance = self.instances[request.backend]
+        end = instance.enqueue(request, now)
+        if end is not None:
+            self._push(end, STEP, (request.backend, instance.version))
+
+    def _step(self, instance: Instance, version: int, now: float) -> None:
         if version != instance.version:
-            return []  # replaced by a cut stretch or a restart
+            return  # replaced by a cut stretch or a restart
         first, finished = instance.complete(now)
+        end = instance.start(now)
+        if end is not None:
+            self._push(end, STEP, (instance.name, instance.version))
+        if not (first or finished):
+            return
+        if self.model.report_delay_s > 0:
+            self._push(now + self.model.report_delay_s, REPORT, (first, finished))
+        else:
+            self._report(first, finished, now)
+
+    def _report(self, first: list[SimRequest], finished: list[SimRequest], now: float) -> None:
+        """The router (and the client) see first tokens and finishes: TTFTs end here, next turns start."""
         for request in first:
             request.first_token = now
             self.policy.on_first_token(request.request_id, now)
@@ -141,12 +178,12 @@ class Simulator:
             self.policy.on_finished(request.request_id, now)
             del self._requests[request.request_id]
             self._outstanding -= 1
-        end = instance.start(now)
-        if end is not None:
-            self._push(end, STEP, (instance.name, instance.version))
-        if first or finished:
-            self._want_dispatch(now)
-        return finished
+            self.done.append(request)
+            trace = cast(Trace, self._trace)
+            if trace.arrival_times is None and request.turn + 1 < len(trace.sessions[request.session]):
+                gap = float(self._thinks[self._think_at[request.session] + request.turn])
+                self._push(now + gap, ARRIVE, (request.session, request.turn + 1))
+        self._want_dispatch(now)
 
     def _result(self, trace: Trace, rate: float, done: list[SimRequest], now: float) -> RunResult:
         ttft = np.array([r.first_token - r.arrival for r in done])  # type: ignore[operator]

@@ -56,6 +56,8 @@ class Trace:
     name: str
     sessions: list[list[Turn]]
     think_s: float = 5.0
+    arrival_times: list[list[float]] | None = None
+    """Each turn's arrival time (a replayed run's): sent open loop, no think times. None: `arrivals`."""
 
     @property
     def num_requests(self) -> int:
