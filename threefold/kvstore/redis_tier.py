@@ -69,6 +69,11 @@ class RedisTier(Tier):
         value = self._call("GET", self._client.get, KEY_PREFIX + key)
         return bytes(value) if value is not None else None
 
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """One MGET: a fault loses the whole batch (the engine recomputes from its first block)."""
+        values = self._call("MGET", self._client.mget, [KEY_PREFIX + key for key in keys])
+        return [bytes(value) if value is not None else None for value in values]
+
     def put(self, key: bytes, value: bytes) -> bool:
         self._call("SET", self._client.set, KEY_PREFIX + key, value)
         return True

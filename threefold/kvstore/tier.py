@@ -22,6 +22,8 @@ class TierFault(Exception):
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")
         self.kind = kind
+        self.partial: list[bytes | None] = []
+        """From `get_many`: the answers for the keys before the one that failed (they are good)."""
 
 
 class Tier(ABC):
@@ -37,6 +39,18 @@ class Tier(ABC):
 
     @abstractmethod
     def get(self, key: bytes) -> bytes | None: ...
+
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """One answer per key, in order (a remote tier in one round trip). A fault raises TierFault with
+        the answers before it in `partial`."""
+        values: list[bytes | None] = []
+        for key in keys:
+            try:
+                values.append(self.get(key))
+            except TierFault as fault:
+                fault.partial = values
+                raise
+        return values
 
     @abstractmethod
     def put(self, key: bytes, value: bytes) -> bool:

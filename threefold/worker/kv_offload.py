@@ -18,8 +18,11 @@ the store dedupes blocks it already holds.
 
 Load or recompute, per request: loading block i costs its bytes over its tier's measured bandwidth
 plus our own copy into the pool; recomputing the prefix costs the step-cost model's time for those
-tokens on top of the tokens computed anyway. The prefix is cut before the first block whose tier makes
-loading slower. Blocks held in host memory are read inline; any block on disk or in Redis sends the
+tokens on top of the tokens computed anyway, and never less than a floor per token: the slope of a
+short prefill measured once per loaded model at startup. (The step-cost model alone extrapolates from
+the steps it has seen; an engine that has only run small steps, e.g. one whose prompts all came from
+a tier, can see a zero slope and think a 2k-token prefill free.) The longest prefix whose loading
+saves time as a whole is loaded. Blocks held in host memory are read inline; any block on disk or in Redis sends the
 request to wait in WAITING_FOR_KV while background threads read them (core/external_kv.py).
 
 Swap or recompute, per preempted request (vLLM only recomputes): its full computed blocks are already
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 
 import torch
 
@@ -45,9 +49,41 @@ from threefold.kvstore import TieredKVStore
 from threefold.kvstore.prefetch import Prefetcher, StagedBlock
 from threefold.kvstore.stats import BandwidthMeter, EngineOffloadStats
 from threefold.spec.adaptive import StepCostModel
+from threefold.spec.train import causal_attention
 
 COPY_BANDWIDTH_PRIOR = 2e9
 """Bytes/s assumed for our own pool <-> payload copies before the first is measured."""
+PROFILE_TOKENS = (1, 128)
+"""Forwards timed at startup: their slope is the recompute floor per token (a lower bound at long
+contexts, where attention adds to it)."""
+_profiles: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, float]] = weakref.WeakKeyDictionary()
+
+
+@torch.inference_mode()
+def prefill_profile(model: torch.nn.Module) -> dict[int, float]:
+    """Seconds of one forward of n fresh tokens for n in PROFILE_TOKENS (best of 2), measured once per
+    loaded model (engines over the same weights share it)."""
+    profile = _profiles.get(model)
+    if profile is None:
+        device = next(model.parameters()).device
+        profile = {}
+        for num_tokens in PROFILE_TOKENS:
+            ids, positions = torch.zeros(num_tokens, dtype=torch.long, device=device), torch.arange(num_tokens,
+                                                                                                 device=device)
+            times = []
+            for _ in range(2):
+                start = time.perf_counter()
+                model(ids, positions, causal_attention)
+                times.append(time.perf_counter() - start)
+            profile[num_tokens] = min(times)
+        _profiles[model] = profile
+    return profile
+
+
+def token_seconds_floor(profile: dict[int, float]) -> float:
+    """Seconds per token of the profile's prefill slope (0 if noise made it negative)."""
+    (t0, s0), (t1, s1) = min(profile.items()), max(profile.items())
+    return max(s1 - s0, 0.0) / (t1 - t0) if t1 > t0 else 0.0
 
 
 def _parts(storage: torch.Tensor | ScaledStorage) -> list[torch.Tensor]:
@@ -124,10 +160,14 @@ class BlockCodec:
 class KVOffload:
     """The scheduler's ExternalKV and the runner's block I/O, over one TieredKVStore."""
 
-    def __init__(self, store: TieredKVStore, codec: BlockCodec, block_size: int) -> None:
+    def __init__(self, store: TieredKVStore, codec: BlockCodec, block_size: int,
+                 profile: dict[int, float] | None = None) -> None:
         self.store, self.codec, self.block_size = store, codec, block_size
-        self.cost: StepCostModel | None = None
-        """Measured forward time by tokens (None until the first step: loading is then assumed cheaper)."""
+        self.cost: StepCostModel | None = StepCostModel(profile) if profile else None
+        """Measured forward time by tokens, seeded by the startup profile (None without one until the
+        first step: loading is then assumed cheaper)."""
+        self.token_seconds = token_seconds_floor(profile) if profile else 0.0
+        """The floor under recomputing: at least this many seconds per token (the profile's slope)."""
         self.prefetch = Prefetcher(store, codec.payload_bytes)
         self.staged: dict[str, list[StagedBlock]] = {}
         """request id -> blocks read for it, not yet committed to a step's loads."""
@@ -137,6 +177,8 @@ class KVOffload:
         """Bytes/s of our own pool <-> payload copies (encode and decode_into), measured."""
         self.num_loaded = 0
         self.num_stored = 0
+        self.store_seconds = 0.0
+        """Engine-thread time spent writing blocks through (gather, encode, hand to the store)."""
         self.num_load_rejected = 0
         """Blocks the cost model chose to recompute although a tier held them."""
         self.counts = EngineOffloadStats()
@@ -195,16 +237,21 @@ class KVOffload:
         Judged on the whole prefix, not block by block: the step-cost model is a running maximum of noisy
         samples, flat wherever one slow step sits, so a stretch of blocks (first or last) can look free
         to recompute while the prefix as a whole costs seconds."""
-        if self.cost is None or not tiers:
+        if (self.cost is None and not self.token_seconds) or not tiers:
             return tiers
-        base = self.cost(num_tokens_after)
         load_s, longest = 0.0, 0
         for i, tier in enumerate(tiers):
             load_s += self._read_seconds(tier, 1)
-            if self.cost(num_tokens_after + (i + 1) * self.block_size) - base > load_s:
+            if self._recompute_seconds(num_tokens_after, (i + 1) * self.block_size) > load_s:
                 longest = i + 1
         self.num_load_rejected += len(tiers) - longest
         return tiers[:longest]
+
+    def _recompute_seconds(self, num_after: int, num_tokens: int) -> float:
+        """Computing `num_tokens` more in a step that computes `num_after` anyway: the step-cost model's
+        difference, never below the per-token floor."""
+        modelled = 0.0 if self.cost is None else self.cost(num_after + num_tokens) - self.cost(num_after)
+        return max(modelled, num_tokens * self.token_seconds)
 
     def _read_seconds(self, tier: str, num_blocks: int) -> float:
         """Reading blocks from a tier and copying them into the pool."""
@@ -224,7 +271,11 @@ class KVOffload:
         held = self.store.held_in_memory([h for _, h in blocks])
         out_s = (len(blocks) - sum(held)) * self.codec.payload_bytes / max(self.copy_bandwidth.value, 1.0)
         swap_s = out_s + self._read_seconds(memory.name, len(blocks))
-        recompute_s = self.cost(num_computed_tokens) if self.cost is not None else math.inf
+        if self.cost is None and not self.token_seconds:
+            recompute_s = math.inf
+        else:
+            recompute_s = max(self.cost(num_computed_tokens) if self.cost is not None else 0.0,
+                              num_computed_tokens * self.token_seconds)
         return ("swap" if swap_s < recompute_s else "recompute"), "cheaper", held
 
     # ---- the runner's calls ------------------------------------------------------
@@ -258,6 +309,7 @@ class KVOffload:
         for (_, block_hash), payload in zip(blocks, payloads, strict=True):
             self.store.put(block_hash, payload)
         self.num_stored += len(blocks)
+        self.store_seconds += time.perf_counter() - start
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         if self.cost is None:
