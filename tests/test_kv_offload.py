@@ -82,21 +82,28 @@ def test_block_codec_round_trip_dense_exact_and_int8_bounded():
     same = BlockCodec(cache, dense)
     payloads = same.encode([2, 4])
     assert len(payloads[0]) == same.payload_bytes == 3 * 2 * 4 * 2 * 8 * 4
-    same.decode_into(5, payloads[0])
-    same.decode_into(1, payloads[1])
+    same.decode([5, 1], payloads)
     for layer in range(3):
         assert torch.equal(cache.layers[layer][:, 5], original[layer][:, 2])
         assert torch.equal(cache.layers[layer][:, 1], original[layer][:, 4])
     int8 = make_codec("int8", 2, 8, torch.float32)
     coded = BlockCodec(cache, int8)
     assert coded.payload_bytes < same.payload_bytes
-    coded.decode_into(3, coded.encode([2])[0])
+    coded.decode([3, 0], coded.encode([2, 4]))
     for layer in range(3):
-        k, v = original[layer][0, 2], original[layer][1, 2]  # [bs, kvh, d]
-        rk, rv = int8.round_trip(k, v)
-        assert torch.allclose(cache.layers[layer][0, 3], rk, atol=1e-6)  # exactly the codec's own round trip
-        assert torch.allclose(cache.layers[layer][1, 3], rv, atol=1e-6)
-        assert not torch.equal(cache.layers[layer][0, 3], k)
+        for source, target in ((2, 3), (4, 0)):
+            k, v = original[layer][0, source], original[layer][1, source]  # [bs, kvh, d]
+            rk, rv = int8.round_trip(k, v)
+            assert torch.allclose(cache.layers[layer][0, target], rk, atol=1e-6)  # the codec's own round trip
+            assert torch.allclose(cache.layers[layer][1, target], rv, atol=1e-6)
+            assert not torch.equal(cache.layers[layer][0, target], k)
+    bf16 = make_codec("auto", 2, 8, torch.bfloat16)  # numpy has no bf16: the codec copies bytes
+    half = PagedKVCache(bf16, 3, 6, 4, torch.device("cpu"))
+    for layer in range(3):
+        half.write(layer, torch.arange(24), torch.randn(24, 2, 8), torch.randn(24, 2, 8))
+    half_codec = BlockCodec(half, bf16)
+    half_codec.decode([0], half_codec.encode([3]))
+    assert all(torch.equal(storage[:, 0], storage[:, 3]) for storage in half.layers)
 
 
 def test_load_or_recompute_takes_the_longest_saving_prefix_past_a_flat_stretch_of_the_step_cost():

@@ -22,7 +22,7 @@ from collections import deque
 
 from threefold.kvstore.config import OffloadConfig
 from threefold.kvstore.disk import DiskTier
-from threefold.kvstore.frame import FrameError, decode, encode
+from threefold.kvstore.frame import FrameError, decode, encode_parts
 from threefold.kvstore.keys import Namespace
 from threefold.kvstore.memory import MemoryTier
 from threefold.kvstore.stats import StatsBook, StoreStats
@@ -261,17 +261,19 @@ class TieredKVStore:
         if above:
             self._enqueue(key, payload, above)
 
-    def _put_one(self, tier: Tier, key: bytes, payload: bytes, record: bytes | None) -> bool:
-        """Write one block to one tier; False (counted) on a fault."""
-        value = payload if not tier.framed else record
-        assert value is not None
+    def _put_one(self, tier: Tier, key: bytes, payload: bytes, record: tuple[bytes, ...] | None) -> bool:
+        """Write one block to one tier (the payload, or the framed record's parts); False (counted) on a fault."""
         try:
-            written = tier.put(key, value)
+            if not tier.framed:
+                written, size = tier.put(key, payload), len(payload)
+            else:
+                assert record is not None
+                written, size = tier.put_record(key, record), sum(len(part) for part in record)
         except TierFault as fault:
             self._book.fault(tier.name, fault.kind)
             return False
         if written:
-            self._book.wrote(tier.name, len(value))
+            self._book.wrote(tier.name, size)
         return True
 
     def _enqueue(self, key: bytes, payload: bytes, targets: list[Tier]) -> None:
@@ -292,7 +294,7 @@ class TieredKVStore:
                 key, payload, targets = self._queue[0]
             cpu_start = time.thread_time()
             try:
-                record = encode(payload, self.namespace.digest, self.namespace.format_version)
+                record = encode_parts(payload, self.namespace.digest, self.namespace.format_version)
                 stored = [self._put_one(tier, key, payload, record) for tier in targets]
                 if self._memory is not None and all(stored) and len(targets) == len(self.tiers) - 1:
                     self._memory.settle(key)  # a fault below leaves it unsettled: the next put retries

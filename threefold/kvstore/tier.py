@@ -56,6 +56,11 @@ class Tier(ABC):
     def put(self, key: bytes, value: bytes) -> bool:
         """Store a value; False when there was nothing to write (already held, or larger than the tier)."""
 
+    def put_record(self, key: bytes, parts: tuple[bytes, ...]) -> bool:
+        """`put` of the parts' concatenation (a framed record); a tier that can write the parts as they
+        are (a file) spares the copy."""
+        return self.put(key, b"".join(parts))
+
     @abstractmethod
     def delete(self, key: bytes) -> None: ...
 

@@ -42,14 +42,14 @@ import weakref
 import torch
 
 from threefold.core.external_kv import ExternalHit
-from threefold.kv.codec import KVCodec
-from threefold.kv.codecs.scaled import ScaledStorage
-from threefold.kv.paged import PagedKVCache
 from threefold.kvstore import TieredKVStore
 from threefold.kvstore.prefetch import Prefetcher, StagedBlock
 from threefold.kvstore.stats import BandwidthMeter, EngineOffloadStats
 from threefold.spec.adaptive import StepCostModel
 from threefold.spec.train import causal_attention
+from threefold.worker.kv_block_codec import BlockCodec
+
+__all__ = ["BlockCodec", "KVOffload", "prefill_profile"]
 
 COPY_BANDWIDTH_PRIOR = 2e9
 """Bytes/s assumed for our own pool <-> payload copies before the first is measured."""
@@ -84,77 +84,6 @@ def token_seconds_floor(profile: dict[int, float]) -> float:
     """Seconds per token of the profile's prefill slope (0 if noise made it negative)."""
     (t0, s0), (t1, s1) = min(profile.items()), max(profile.items())
     return max(s1 - s0, 0.0) / (t1 - t0) if t1 > t0 else 0.0
-
-
-def _parts(storage: torch.Tensor | ScaledStorage) -> list[torch.Tensor]:
-    """One layer's storage tensors, each [2, num_blocks, ...] (K and V first, blocks second)."""
-    if isinstance(storage, torch.Tensor):
-        return [storage]
-    return [t for t in (storage.codes, storage.scales, storage.zeros) if t is not None]
-
-
-class BlockCodec:
-    """One block of every layer <-> bytes, in the offload codec. The same codec as the pool copies its
-    raw storage (bit-exact); another codec (e.g. int8 below a bf16 pool) re-encodes through a staging
-    cache of that codec: encode on store, decode into the pool's codec on load."""
-
-    def __init__(self, cache: PagedKVCache, offload_codec: KVCodec) -> None:
-        self.cache = cache
-        self.pool_codec, self.codec = cache.codec, offload_codec
-        self.transcode = str(offload_codec.spec) != str(cache.codec.spec)
-        self.block_size = cache.block_size
-        sample = offload_codec.allocate(1, self.block_size, torch.device("cpu"))
-        self.part_shapes = [(p.dtype, p.shape[2:]) for p in _parts(sample)]
-        self.num_layers = len(cache.layers)
-        self.payload_bytes = self.num_layers * sum(
-            2 * torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            for dtype, shape in self.part_shapes)
-
-    def encode(self, block_ids: list[int]) -> list[bytes]:
-        """Payloads of the blocks, one gather per layer and part (the step's whole batch at once)."""
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        layers = self._transcoded(ids) if self.transcode else self.cache.layers
-        rows = ids if not self.transcode else torch.arange(len(block_ids))
-        columns = []
-        for part in range(len(self.part_shapes)):
-            gathered = torch.stack([_parts(layer)[part].index_select(1, rows) for layer in layers])
-            # [L, 2, n, ...] -> [n, L * 2 * ...] bytes
-            columns.append(gathered.movedim(2, 0).contiguous().view(torch.uint8).reshape(len(block_ids), -1))
-        table = torch.cat(columns, dim=1).numpy()
-        return [table[i].tobytes() for i in range(len(block_ids))]
-
-    def _transcoded(self, ids: torch.Tensor) -> list:
-        table = ids.view(-1, 1)
-        slots = torch.arange(len(ids) * self.block_size)
-        staged = []
-        for storage in self.cache.layers:
-            k, v = self.pool_codec.read(storage, table)  # [n, kvh, bs, d]
-            target = self.codec.allocate(len(ids), self.block_size, torch.device("cpu"))
-            self.codec.write(target, slots, k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1))
-            staged.append(target)
-        return staged
-
-    def decode_into(self, block_id: int, payload: bytes) -> None:
-        """Write one payload into pool block `block_id` (validated by length by the caller)."""
-        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        pieces, offset = [], 0
-        for dtype, shape in self.part_shapes:
-            size = self.num_layers * 2 * torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            pieces.append(flat[offset: offset + size].view(dtype).view(self.num_layers, 2, *shape))
-            offset += size
-        if not self.transcode:
-            for layer, storage in enumerate(self.cache.layers):
-                for part, piece in zip(_parts(storage), pieces, strict=True):
-                    part[:, block_id].copy_(piece[layer])
-            return
-        slots = torch.arange(self.block_size) + block_id * self.block_size
-        zero = torch.zeros(1, 1, dtype=torch.long)
-        for layer, storage in enumerate(self.cache.layers):
-            staged = self.codec.allocate(1, self.block_size, torch.device("cpu"))
-            for part, piece in zip(_parts(staged), pieces, strict=True):
-                part[:, 0].copy_(piece[layer])
-            k, v = self.codec.read(staged, zero)  # [1, kvh, bs, d]
-            self.pool_codec.write(storage, slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
 
 
 class KVOffload:
@@ -293,8 +222,7 @@ class KVOffload:
         """Fill this step's loads' pool blocks from the committed payloads (before the forward)."""
         if blocks:
             start = time.perf_counter()
-            for block_id, block_hash in blocks:
-                self.codec.decode_into(block_id, self.to_copy[block_hash])
+            self.codec.decode([b for b, _ in blocks], [self.to_copy[h] for _, h in blocks])
             self.copy_bandwidth.observe(len(blocks) * self.codec.payload_bytes, time.perf_counter() - start)
             self.num_loaded += len(blocks)
         self.to_copy.clear()
