@@ -63,6 +63,8 @@ class TieredKVStore:
         self._by_name = {tier.name: tier for tier in self.tiers}
         self._book = StatsBook([tier.name for tier in self.tiers])
         self._max_pending_bytes = max_pending_bytes
+        self.read_chunk = READ_CHUNK
+        """Blocks per batched read (1 reads block by block: what a benchmark compares against)."""
         self._queue: deque[tuple[bytes, bytes, list[Tier]]] = deque()
         self._pending_bytes = 0
         self._cond = threading.Condition()
@@ -120,11 +122,11 @@ class TieredKVStore:
 
     def get_prefix(self, block_hashes: list[bytes]) -> list[tuple[str, bytes]]:
         """(tier name, verified payload) of each block of the longest prefix the tiers can serve, read
-        READ_CHUNK blocks at a time with one batched read per tier. A block that no tier holds intact
+        `read_chunk` blocks at a time with one batched read per tier. A block that no tier holds intact
         (missing, failed, corrupt: as in `get`) ends the prefix; the chunks after it are not read."""
         found: list[tuple[str, bytes]] = []
-        for start in range(0, len(block_hashes), READ_CHUNK):
-            for got in self._get_chunk(block_hashes[start:start + READ_CHUNK]):
+        for start in range(0, len(block_hashes), self.read_chunk):
+            for got in self._get_chunk(block_hashes[start:start + self.read_chunk]):
                 if got is None:
                     return found
                 found.append(got)
