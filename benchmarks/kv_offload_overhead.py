@@ -31,8 +31,7 @@ from threefold.sample.params import SamplingParams
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " Paired ABBA runs; "
-                                     "prints the median on/off ratio with a bootstrap 95%% CI.")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=24,
                         help="measured off/on pairs after one warm-up pair (default 24: ~5 min on 2 vCPU)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per run (default 4)")
