@@ -8,7 +8,9 @@ P's TTFT and every engine step in between, which B waits through. Two engines, i
 
 - "inline": the tier is read inside the admitting step (what the engine did before prefetching;
   reproduced by marking every tier as in-process for this engine only);
-- "prefetch": the reads run on background threads (WAITING_FOR_KV) while the steps go on.
+- "prefetch": the reads run on background threads (WAITING_FOR_KV) while the steps go on, batched (one
+  Redis MGET per 32 blocks);
+- "prefetch, one read per block": the same, one round trip per block (the engine before batching).
 """
 
 from __future__ import annotations
@@ -32,14 +34,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from redis_fixture import RedisServer
 
 
-def build(loaded, offload: OffloadConfig, context: int, inline: bool) -> LLM:
+def build(loaded, offload: OffloadConfig, context: int, inline: bool, read_chunk: int | None = None) -> LLM:
     block_bytes = loaded.config.num_layers * 2 * 16 * loaded.config.num_kv_heads * loaded.config.head_dim \
         * loaded.config.dtype.itemsize
     args = EngineArgs(max_model_len=context + 256, kv_cache_memory=((2 * context + 512) // 16 + 2) * block_bytes,
                       kv_offload=offload)
     llm = LLM.from_engine(LLMEngine(loaded, args))
+    store = llm.engine.core.offload.store
     if inline:
-        llm.engine.core.offload.store.reads_inline = lambda tier: True  # the old behaviour, this engine only
+        store.reads_inline = lambda tier: True  # the old behaviour, this engine only
+    if read_chunk is not None:
+        store.read_chunk = read_chunk
     return llm
 
 
@@ -80,6 +85,7 @@ def main() -> None:
         offload = (OffloadConfig(redis_url=redis.url) if redis is not None
                    else OffloadConfig(disk_dir=str(work / "disk")))
         engines = {"inline": build(loaded, offload, ns.context, True),
+                   "prefetch, one read per block": build(loaded, offload, ns.context, False, read_chunk=1),
                    "prefetch": build(loaded, offload, ns.context, False)}
         prefix = [random.Random(0).randrange(100, 40000) for _ in range(ns.context)]
         warm = engines["prefetch"]

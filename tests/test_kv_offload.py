@@ -63,6 +63,7 @@ def test_later_turns_hit_lower_tiers_with_equal_outputs(make_llm, baseline, tmp_
     assert token_ids(results) == baseline
     assert tier_tokens(results[1:], "cpu") > 0 and tier_tokens(results[1:], "disk") > 0
     offload = llm.engine.core.offload
+    assert offload.token_seconds > 0  # the recompute floor, from the startup prefill profile
     stats = offload.store.stats()
     # Every block loaded was read from its tier (a read staged for a request that then waited may be read again).
     assert stats.tiers["cpu"].hits * 16 >= tier_tokens(results, "cpu")
@@ -81,21 +82,28 @@ def test_block_codec_round_trip_dense_exact_and_int8_bounded():
     same = BlockCodec(cache, dense)
     payloads = same.encode([2, 4])
     assert len(payloads[0]) == same.payload_bytes == 3 * 2 * 4 * 2 * 8 * 4
-    same.decode_into(5, payloads[0])
-    same.decode_into(1, payloads[1])
+    same.decode([5, 1], payloads)
     for layer in range(3):
         assert torch.equal(cache.layers[layer][:, 5], original[layer][:, 2])
         assert torch.equal(cache.layers[layer][:, 1], original[layer][:, 4])
     int8 = make_codec("int8", 2, 8, torch.float32)
     coded = BlockCodec(cache, int8)
     assert coded.payload_bytes < same.payload_bytes
-    coded.decode_into(3, coded.encode([2])[0])
+    coded.decode([3, 0], coded.encode([2, 4]))
     for layer in range(3):
-        k, v = original[layer][0, 2], original[layer][1, 2]  # [bs, kvh, d]
-        rk, rv = int8.round_trip(k, v)
-        assert torch.allclose(cache.layers[layer][0, 3], rk, atol=1e-6)  # exactly the codec's own round trip
-        assert torch.allclose(cache.layers[layer][1, 3], rv, atol=1e-6)
-        assert not torch.equal(cache.layers[layer][0, 3], k)
+        for source, target in ((2, 3), (4, 0)):
+            k, v = original[layer][0, source], original[layer][1, source]  # [bs, kvh, d]
+            rk, rv = int8.round_trip(k, v)
+            assert torch.allclose(cache.layers[layer][0, target], rk, atol=1e-6)  # the codec's own round trip
+            assert torch.allclose(cache.layers[layer][1, target], rv, atol=1e-6)
+            assert not torch.equal(cache.layers[layer][0, target], k)
+    bf16 = make_codec("auto", 2, 8, torch.bfloat16)  # numpy has no bf16: the codec copies bytes
+    half = PagedKVCache(bf16, 3, 6, 4, torch.device("cpu"))
+    for layer in range(3):
+        half.write(layer, torch.arange(24), torch.randn(24, 2, 8), torch.randn(24, 2, 8))
+    half_codec = BlockCodec(half, bf16)
+    half_codec.decode([0], half_codec.encode([3]))
+    assert all(torch.equal(storage[:, 0], storage[:, 3]) for storage in half.layers)
 
 
 def test_load_or_recompute_takes_the_longest_saving_prefix_past_a_flat_stretch_of_the_step_cost():
@@ -109,6 +117,24 @@ def test_load_or_recompute_takes_the_longest_saving_prefix_past_a_flat_stretch_o
         assert offload._worth_loading(["cpu"] * 130, 80) == ["cpu"] * 130
         assert offload._worth_loading(["cpu"] * 20, 80) == []  # all within the flat stretch: recompute
         assert offload.num_load_rejected == 20
+
+
+def test_a_cost_model_of_small_steps_still_loads_a_long_prefix_from_a_fast_tier_and_skips_a_slow_one():
+    dense = make_codec("auto", 3, 64, torch.float32)
+    codec = BlockCodec(PagedKVCache(dense, 30, 4, 16, torch.device("cpu")), dense)
+    with TieredKVStore(OffloadConfig(cpu_bytes=1 << 20), Namespace("m", "auto", 16)) as store:
+        # Instance B of the cross-instance run: a startup profile, then only small steps (its prompts came
+        # from Redis), one of them slow: the running maximum is flat from 4 tokens on, so the model alone
+        # prices a 2,000-token prefill at nothing.
+        offload = KVOffload(store, codec, 16, profile={1: 0.02, 128: 0.15})
+        for num_tokens, seconds in ((1, 0.03), (2, 0.05), (4, 0.4), (3, 0.03)):
+            offload.observe_step(num_tokens, seconds)
+        assert offload.cost(2008) == offload.cost(8)
+        assert offload.token_seconds == pytest.approx(0.13 / 127)
+        assert offload._worth_loading(["cpu"] * 125, 8) == ["cpu"] * 125  # the floor: ~1 ms a token
+        store.set_bandwidth("cpu", 1e5)  # 7 s a block: recomputing 16 tokens is far cheaper
+        assert offload._worth_loading(["cpu"] * 125, 8) == []
+        assert offload.num_load_rejected == 125
 
 
 def test_random_aborts_leave_no_leaks(make_llm, tmp_path):

@@ -199,6 +199,9 @@ def test_disk_round_trip_lru_and_restart(tmp_path):
         files = sorted(p.name for p in tmp_path.rglob("*.kv"))
         assert len(files) == 3 and not list(tmp_path.rglob(".tmp-*"))
         assert store.check_integrity() == []
+        record_bytes = encode(blocks[3][1], NS.digest, NS.format_version)
+        assert store.tiers[0].path_of(NS.key(hashes[3])).read_bytes() == record_bytes  # writev: the whole record
+        assert store.stats().writer_cpu_seconds > 0
     with make_store(disk_dir=str(tmp_path), disk_bytes=3 * record) as restarted:
         assert restarted.check_integrity() == []
         assert restarted.get(hashes[3]) == ("disk", blocks[3][1])

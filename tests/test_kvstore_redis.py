@@ -9,6 +9,8 @@ import time
 
 from threefold.kvstore import Namespace, OffloadConfig, TieredKVStore
 from threefold.kvstore.frame import OVERHEAD
+from threefold.kvstore.redis_tier import KEY_PREFIX
+from threefold.kvstore.store import READ_CHUNK
 
 from kvstore_helpers import NS, block, make_store
 
@@ -33,6 +35,27 @@ def test_redis_round_trip_through_the_whole_chain(tmp_path, redis_server):
         redis_stats = store.stats().tiers["redis"]
         assert (redis_stats.hits, redis_stats.writes, redis_stats.faults) == (1, 3, {})
         assert redis_stats.bytes_read == 64 << 10
+
+
+def test_a_prefix_comes_back_in_one_mget_per_chunk_and_a_corrupt_block_ends_it(redis_server):
+    import redis
+
+    with make_store(redis_url=redis_server.url) as store:
+        blocks = [block(i) for i in range(READ_CHUNK + 8)]
+        for block_hash, payload in blocks:
+            store.put(block_hash, payload)
+        assert store.flush(10)
+        hashes = [h for h, _ in blocks]
+        client = redis.Redis.from_url(redis_server.url)
+        client.config_resetstat()
+        assert store.get_prefix(hashes) == [("redis", p) for _, p in blocks]
+        calls = {name: stat["calls"] for name, stat in client.info("commandstats").items()}
+        assert calls.get("cmdstat_mget") == 2 and "cmdstat_get" not in calls  # 40 blocks, 2 round trips
+        client.setrange(KEY_PREFIX + NS.key(hashes[READ_CHUNK + 2]), OVERHEAD + 10, b"garbage")
+        assert store.get_prefix(hashes) == [("redis", p) for _, p in blocks[: READ_CHUNK + 2]]
+        stats = store.stats().tiers["redis"]
+        assert stats.faults == {"checksum": 1} and stats.hits == 2 * len(blocks) - 1
+        client.close()
 
 
 def test_two_stores_share_blocks_through_one_redis(redis_server):

@@ -20,7 +20,7 @@ from threefold.kv.window import window_slots
 from threefold.kvstore import Namespace, OffloadConfig, TieredKVStore
 from threefold.model.loader import LoadedModel
 from threefold.spec.config import SpeculativeConfig
-from threefold.worker.kv_offload import BlockCodec, KVOffload
+from threefold.worker.kv_offload import BlockCodec, KVOffload, prefill_profile
 from threefold.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -90,10 +90,12 @@ class EngineCore:
         codec = runner.codec if config.codec is None else make_codec(
             config.codec, loaded.config.num_kv_heads, loaded.config.head_dim, loaded.config.dtype)
         namespace = Namespace(loaded.fingerprint, str(codec.spec), cache.block_size)
-        offload = KVOffload(TieredKVStore(config, namespace), BlockCodec(runner.kv_cache, codec), cache.block_size)
+        offload = KVOffload(TieredKVStore(config, namespace), BlockCodec(runner.kv_cache, codec), cache.block_size,
+                            prefill_profile(loaded.model))
         runner.offload = offload
-        logger.info("KV offload: tiers %s, codec %s, %d bytes/block",
-                    [t.name for t in offload.store.tiers], codec.spec, offload.codec.payload_bytes)
+        logger.info("KV offload: tiers %s, codec %s, %d bytes/block, recompute floor %.3f ms/token",
+                    [t.name for t in offload.store.tiers], codec.spec, offload.codec.payload_bytes,
+                    offload.token_seconds * 1e3)
         return offload
 
     def close(self) -> None:

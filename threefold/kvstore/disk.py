@@ -127,23 +127,27 @@ class DiskTier(Tier):
         return data
 
     def put(self, key: bytes, value: bytes) -> bool:
+        return self.put_record(key, (value,))
+
+    def put_record(self, key: bytes, parts: tuple[bytes, ...]) -> bool:
         if not self.available():
             raise TierFault("skipped", "disk tier unusable")
         if not self._backoff.ready():
             raise TierFault("skipped", "backing off after a write fault")
-        if len(value) > self._capacity or key in self._index:
+        size = sum(len(part) for part in parts)
+        if size > self._capacity or key in self._index:
             return False  # same key, same bytes: the key names the weights, codec and tokens
         try:
-            self._make_room(len(value))
-            self._write_atomically(self.path_of(key), value)
+            self._make_room(size)
+            self._write_atomically(self.path_of(key), parts)
         except OSError as exc:
             self._backoff.failed()
             raise _write_fault(exc) from exc
         self._backoff.succeeded()
         with self._lock:
             if key not in self._index:
-                self._index[key] = len(value)
-                self._used += len(value)
+                self._index[key] = size
+                self._used += size
         return True
 
     def delete(self, key: bytes) -> None:
@@ -194,15 +198,20 @@ class DiskTier(Tier):
 
     # ---- helpers ---------------------------------------------------------------
 
-    def _write_atomically(self, path: Path, value: bytes) -> None:
+    def _write_atomically(self, path: Path, parts: tuple[bytes, ...]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                view = memoryview(value)
-                while view:
-                    view = view[os.write(fd, view):]
+                views = [memoryview(part) for part in parts if part]
+                while views:  # writev: the parts as they are, no joined copy of the record
+                    written = os.writev(fd, views)
+                    while views and written >= len(views[0]):
+                        written -= len(views[0])
+                        views.pop(0)
+                    if views:
+                        views[0] = views[0][written:]
                 os.fsync(fd)  # the data reaches the disk before the name that points to it
             finally:
                 os.close(fd)

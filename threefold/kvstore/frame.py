@@ -34,9 +34,14 @@ class FrameError(Exception):
 
 
 def encode(payload: bytes, namespace_digest: bytes, version: int) -> bytes:
+    return b"".join(encode_parts(payload, namespace_digest, version))
+
+
+def encode_parts(payload: bytes, namespace_digest: bytes, version: int) -> tuple[bytes, bytes, bytes]:
+    """The record as (header, payload, checksum), for a writer that need not join them (a file: writev)."""
     header = _HEADER.pack(MAGIC, version, namespace_digest, len(payload))
     crc = zlib.crc32(payload, zlib.crc32(header))
-    return b"".join((header, payload, _CRC.pack(crc)))
+    return header, payload, _CRC.pack(crc)
 
 
 def decode(record: bytes, namespace_digest: bytes, version: int) -> bytes:

@@ -31,6 +31,14 @@ class MemoryTier(Tier):
                 self._blocks.move_to_end(key)
             return value
 
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        with self._lock:
+            values = [self._blocks.get(key) for key in keys]
+            for key, value in zip(keys, values, strict=True):
+                if value is not None:
+                    self._blocks.move_to_end(key)
+            return values
+
     def put(self, key: bytes, value: bytes) -> bool:
         """Insert or refresh; evicts the least recently used until it fits. A value larger than the
         whole tier is not stored (it would evict everything and still not fit)."""

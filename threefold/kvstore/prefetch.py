@@ -1,8 +1,9 @@
 """Reads of a request's prefix from the tiers, inline or on background threads (torch-free).
 
-A read walks the blocks in order and stops at the first one that is missing, fails or has the wrong
-size: what came before it is loaded, the rest recomputed. Disk and Redis reads are I/O (the GIL is let
-go while they wait, and while zlib checks a frame), so the engine's steps go on while they run.
+A read takes the blocks in order, in batches (one Redis MGET per 32 blocks), and stops at the first
+one that is missing, fails or has the wrong size: what came before it is loaded, the rest recomputed.
+Disk and Redis reads are I/O (the GIL is let go while they wait, and while zlib checks a frame), so
+the engine's steps go on while they run.
 """
 
 from __future__ import annotations
@@ -28,17 +29,18 @@ class Prefetcher:
         self._jobs: dict[str, tuple[Future[list[StagedBlock]], int]] = {}
 
     def read_prefix(self, block_hashes: list[bytes]) -> list[StagedBlock]:
-        """The longest prefix of the blocks that every tier lookup and check lets through. Never raises."""
+        """The longest prefix of the blocks that every tier lookup and check lets through (batched reads,
+        store.get_prefix). Never raises."""
+        try:
+            got = self.store.get_prefix(block_hashes)
+        except Exception:  # a bug in a tier must not fail the request: recompute it
+            logger.exception("KV offload: reading a prefix failed; recomputing it")
+            return []
         blocks: list[StagedBlock] = []
-        for block_hash in block_hashes:
-            try:
-                got = self.store.get(block_hash)
-            except Exception:  # a bug in a tier must not fail the request: recompute from here
-                logger.exception("KV offload: reading a block failed; recomputing from it")
-                break
-            if got is None or len(got[1]) != self.payload_bytes:
-                break  # evicted or corrupt since the lookup
-            blocks.append((block_hash, got[0], got[1]))
+        for block_hash, (tier, payload) in zip(block_hashes, got, strict=False):
+            if len(payload) != self.payload_bytes:
+                break  # written by a build with another layout under the same namespace: never trust it
+            blocks.append((block_hash, tier, payload))
         return blocks
 
     def submit(self, request_id: str, block_hashes: list[bytes]) -> None:

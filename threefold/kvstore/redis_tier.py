@@ -25,6 +25,9 @@ from threefold.kvstore.tier import Backoff, Tier, TierFault
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = b"threefold:kv:"
+READ_BUFFER_BYTES = 1 << 20
+"""recv() size of the client (redis-py: 64 KiB). A read releases and retakes the GIL around every recv, and
+retaking it behind the engine's thread can wait a switch interval (5 ms): a few large recvs, not hundreds."""
 SOCKET_TIMEOUT_S = 0.5
 """A loopback or LAN Redis answers in well under a millisecond; half a second means it is in trouble,
 and recomputing beats waiting longer."""
@@ -41,7 +44,8 @@ class RedisTier(Tier):
         # recomputing), and redis-py's default, three retries with growing sleeps, would stall the engine.
         retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
         self._client = redis.Redis.from_url(url, socket_timeout=socket_timeout,
-                                            socket_connect_timeout=socket_timeout, retry=retry, max_connections=8)
+                                            socket_connect_timeout=socket_timeout, retry=retry, max_connections=8,
+                                            socket_read_size=READ_BUFFER_BYTES)
         try:
             self._client.ping()
         except (RedisError, OSError) as exc:
@@ -68,6 +72,11 @@ class RedisTier(Tier):
     def get(self, key: bytes) -> bytes | None:
         value = self._call("GET", self._client.get, KEY_PREFIX + key)
         return bytes(value) if value is not None else None
+
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """One MGET: a fault loses the whole batch (the engine recomputes from its first block)."""
+        values = self._call("MGET", self._client.mget, [KEY_PREFIX + key for key in keys])
+        return [bytes(value) if value is not None else None for value in values]
 
     def put(self, key: bytes, value: bytes) -> bool:
         self._call("SET", self._client.set, KEY_PREFIX + key, value)

@@ -42,6 +42,8 @@ class StoreStats:
     dropped_writes: int = 0
     """Blocks not offloaded because the writer's queue was full (never blocks an engine step)."""
     pending_writes: int = 0
+    writer_cpu_seconds: float = 0.0
+    """CPU time the writer thread spent framing and writing blocks (what write-through costs the cores)."""
 
 
 class StatsBook:
@@ -51,19 +53,21 @@ class StatsBook:
         self._lock = threading.Lock()
         self._tiers = {name: TierStats(bandwidth=BANDWIDTH_PRIOR.get(name, 1e9)) for name in tier_names}
         self.dropped_writes = 0
+        self.writer_cpu_seconds = 0.0
 
-    def hit(self, tier: str, num_bytes: int, seconds: float) -> None:
+    def hit(self, tier: str, num_bytes: int, seconds: float, count: int = 1) -> None:
+        """`count` blocks of `num_bytes` in all, read in `seconds` (one batched read)."""
         with self._lock:
             stats = self._tiers[tier]
-            stats.hits += 1
+            stats.hits += count
             stats.bytes_read += num_bytes
             stats.load_seconds += seconds
             if num_bytes >= MIN_SAMPLE_BYTES and seconds > 0:
                 stats.bandwidth += BANDWIDTH_EMA * (num_bytes / seconds - stats.bandwidth)
 
-    def miss(self, tier: str) -> None:
+    def miss(self, tier: str, count: int = 1) -> None:
         with self._lock:
-            self._tiers[tier].misses += 1
+            self._tiers[tier].misses += count
 
     def wrote(self, tier: str, num_bytes: int) -> None:
         with self._lock:
@@ -82,6 +86,10 @@ class StatsBook:
         with self._lock:
             self.dropped_writes += 1
 
+    def writer_busy(self, cpu_seconds: float) -> None:
+        with self._lock:
+            self.writer_cpu_seconds += cpu_seconds
+
     def set_bandwidth(self, tier: str, bytes_per_second: float) -> None:
         with self._lock:
             self._tiers[tier].bandwidth = bytes_per_second
@@ -94,7 +102,7 @@ class StatsBook:
         with self._lock:
             tiers = {name: replace(s, faults=dict(s.faults), used_bytes=sizes[name][0],
                                    capacity_bytes=sizes[name][1]) for name, s in self._tiers.items()}
-            return StoreStats(tiers, self.dropped_writes, pending)
+            return StoreStats(tiers, self.dropped_writes, pending, self.writer_cpu_seconds)
 
 
 class BandwidthMeter:

@@ -22,6 +22,8 @@ class TierFault(Exception):
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")
         self.kind = kind
+        self.partial: list[bytes | None] = []
+        """From `get_many`: the answers for the keys before the one that failed (they are good)."""
 
 
 class Tier(ABC):
@@ -38,9 +40,26 @@ class Tier(ABC):
     @abstractmethod
     def get(self, key: bytes) -> bytes | None: ...
 
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """One answer per key, in order (a remote tier in one round trip). A fault raises TierFault with
+        the answers before it in `partial`."""
+        values: list[bytes | None] = []
+        for key in keys:
+            try:
+                values.append(self.get(key))
+            except TierFault as fault:
+                fault.partial = values
+                raise
+        return values
+
     @abstractmethod
     def put(self, key: bytes, value: bytes) -> bool:
         """Store a value; False when there was nothing to write (already held, or larger than the tier)."""
+
+    def put_record(self, key: bytes, parts: tuple[bytes, ...]) -> bool:
+        """`put` of the parts' concatenation (a framed record); a tier that can write the parts as they
+        are (a file) spares the copy."""
+        return self.put(key, b"".join(parts))
 
     @abstractmethod
     def delete(self, key: bytes) -> None: ...

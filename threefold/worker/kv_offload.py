@@ -18,8 +18,11 @@ the store dedupes blocks it already holds.
 
 Load or recompute, per request: loading block i costs its bytes over its tier's measured bandwidth
 plus our own copy into the pool; recomputing the prefix costs the step-cost model's time for those
-tokens on top of the tokens computed anyway. The prefix is cut before the first block whose tier makes
-loading slower. Blocks held in host memory are read inline; any block on disk or in Redis sends the
+tokens on top of the tokens computed anyway, and never less than a floor per token: the slope of a
+short prefill measured once per loaded model at startup. (The step-cost model alone extrapolates from
+the steps it has seen; an engine that has only run small steps, e.g. one whose prompts all came from
+a tier, can see a zero slope and think a 2k-token prefill free.) The longest prefix whose loading
+saves time as a whole is loaded. Blocks held in host memory are read inline; any block on disk or in Redis sends the
 request to wait in WAITING_FOR_KV while background threads read them (core/external_kv.py).
 
 Swap or recompute, per preempted request (vLLM only recomputes): its full computed blocks are already
@@ -34,102 +37,66 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 
 import torch
 
 from threefold.core.external_kv import ExternalHit
-from threefold.kv.codec import KVCodec
-from threefold.kv.codecs.scaled import ScaledStorage
-from threefold.kv.paged import PagedKVCache
 from threefold.kvstore import TieredKVStore
 from threefold.kvstore.prefetch import Prefetcher, StagedBlock
 from threefold.kvstore.stats import BandwidthMeter, EngineOffloadStats
 from threefold.spec.adaptive import StepCostModel
+from threefold.spec.train import causal_attention
+from threefold.worker.kv_block_codec import BlockCodec
+
+__all__ = ["BlockCodec", "KVOffload", "prefill_profile"]
 
 COPY_BANDWIDTH_PRIOR = 2e9
 """Bytes/s assumed for our own pool <-> payload copies before the first is measured."""
+PROFILE_TOKENS = (1, 128)
+"""Forwards timed at startup: their slope is the recompute floor per token (a lower bound at long
+contexts, where attention adds to it)."""
+_profiles: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, float]] = weakref.WeakKeyDictionary()
 
 
-def _parts(storage: torch.Tensor | ScaledStorage) -> list[torch.Tensor]:
-    """One layer's storage tensors, each [2, num_blocks, ...] (K and V first, blocks second)."""
-    if isinstance(storage, torch.Tensor):
-        return [storage]
-    return [t for t in (storage.codes, storage.scales, storage.zeros) if t is not None]
+@torch.inference_mode()
+def prefill_profile(model: torch.nn.Module) -> dict[int, float]:
+    """Seconds of one forward of n fresh tokens for n in PROFILE_TOKENS (best of 2), measured once per
+    loaded model (engines over the same weights share it)."""
+    profile = _profiles.get(model)
+    if profile is None:
+        device = next(model.parameters()).device
+        profile = {}
+        for num_tokens in PROFILE_TOKENS:
+            ids, positions = torch.zeros(num_tokens, dtype=torch.long, device=device), torch.arange(num_tokens,
+                                                                                                 device=device)
+            times = []
+            for _ in range(2):
+                start = time.perf_counter()
+                model(ids, positions, causal_attention)
+                times.append(time.perf_counter() - start)
+            profile[num_tokens] = min(times)
+        _profiles[model] = profile
+    return profile
 
 
-class BlockCodec:
-    """One block of every layer <-> bytes, in the offload codec. The same codec as the pool copies its
-    raw storage (bit-exact); another codec (e.g. int8 below a bf16 pool) re-encodes through a staging
-    cache of that codec: encode on store, decode into the pool's codec on load."""
-
-    def __init__(self, cache: PagedKVCache, offload_codec: KVCodec) -> None:
-        self.cache = cache
-        assert cache.codec is not None, "a per-layer codec mix has no offload (the engine refuses it)"
-        self.pool_codec: KVCodec = cache.codec
-        self.codec = offload_codec
-        self.transcode = str(offload_codec.spec) != str(self.pool_codec.spec)
-        self.block_size = cache.block_size
-        sample = offload_codec.allocate(1, self.block_size, torch.device("cpu"))
-        self.part_shapes = [(p.dtype, p.shape[2:]) for p in _parts(sample)]
-        self.num_layers = len(cache.layers)
-        self.payload_bytes = self.num_layers * sum(
-            2 * torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            for dtype, shape in self.part_shapes)
-
-    def encode(self, block_ids: list[int]) -> list[bytes]:
-        """Payloads of the blocks, one gather per layer and part (the step's whole batch at once)."""
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        layers = self._transcoded(ids) if self.transcode else self.cache.layers
-        rows = ids if not self.transcode else torch.arange(len(block_ids))
-        columns = []
-        for part in range(len(self.part_shapes)):
-            gathered = torch.stack([_parts(layer)[part].index_select(1, rows) for layer in layers])
-            # [L, 2, n, ...] -> [n, L * 2 * ...] bytes
-            columns.append(gathered.movedim(2, 0).contiguous().view(torch.uint8).reshape(len(block_ids), -1))
-        table = torch.cat(columns, dim=1).numpy()
-        return [table[i].tobytes() for i in range(len(block_ids))]
-
-    def _transcoded(self, ids: torch.Tensor) -> list:
-        table = ids.view(-1, 1)
-        slots = torch.arange(len(ids) * self.block_size)
-        staged = []
-        for storage in self.cache.layers:
-            k, v = self.pool_codec.read(storage, table)  # [n, kvh, bs, d]
-            target = self.codec.allocate(len(ids), self.block_size, torch.device("cpu"))
-            self.codec.write(target, slots, k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1))
-            staged.append(target)
-        return staged
-
-    def decode_into(self, block_id: int, payload: bytes) -> None:
-        """Write one payload into pool block `block_id` (validated by length by the caller)."""
-        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        pieces, offset = [], 0
-        for dtype, shape in self.part_shapes:
-            size = self.num_layers * 2 * torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            pieces.append(flat[offset: offset + size].view(dtype).view(self.num_layers, 2, *shape))
-            offset += size
-        if not self.transcode:
-            for layer, storage in enumerate(self.cache.layers):
-                for part, piece in zip(_parts(storage), pieces, strict=True):
-                    part[:, block_id].copy_(piece[layer])
-            return
-        slots = torch.arange(self.block_size) + block_id * self.block_size
-        zero = torch.zeros(1, 1, dtype=torch.long)
-        for layer, storage in enumerate(self.cache.layers):
-            staged = self.codec.allocate(1, self.block_size, torch.device("cpu"))
-            for part, piece in zip(_parts(staged), pieces, strict=True):
-                part[:, 0].copy_(piece[layer])
-            k, v = self.codec.read(staged, zero)  # [1, kvh, bs, d]
-            self.pool_codec.write(storage, slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+def token_seconds_floor(profile: dict[int, float]) -> float:
+    """Seconds per token of the profile's prefill slope (0 if noise made it negative)."""
+    (t0, s0), (t1, s1) = min(profile.items()), max(profile.items())
+    return max(s1 - s0, 0.0) / (t1 - t0) if t1 > t0 else 0.0
 
 
 class KVOffload:
     """The scheduler's ExternalKV and the runner's block I/O, over one TieredKVStore."""
 
-    def __init__(self, store: TieredKVStore, codec: BlockCodec, block_size: int) -> None:
+    def __init__(self, store: TieredKVStore, codec: BlockCodec, block_size: int,
+                 profile: dict[int, float] | None = None) -> None:
         self.store, self.codec, self.block_size = store, codec, block_size
-        self.cost: StepCostModel | None = None
-        """Measured forward time by tokens (None until the first step: loading is then assumed cheaper)."""
+        self.cost: StepCostModel | None = StepCostModel(profile) if profile else None
+        """Measured forward time by tokens, seeded by the startup profile (None without one until the
+        first step: loading is then assumed cheaper)."""
+        self.token_seconds = token_seconds_floor(profile) if profile else 0.0
+        """The floor under recomputing: at least this many seconds per token (the profile's slope)."""
         self.prefetch = Prefetcher(store, codec.payload_bytes)
         self.staged: dict[str, list[StagedBlock]] = {}
         """request id -> blocks read for it, not yet committed to a step's loads."""
@@ -139,6 +106,8 @@ class KVOffload:
         """Bytes/s of our own pool <-> payload copies (encode and decode_into), measured."""
         self.num_loaded = 0
         self.num_stored = 0
+        self.store_seconds = 0.0
+        """Engine-thread time spent writing blocks through (gather, encode, hand to the store)."""
         self.num_load_rejected = 0
         """Blocks the cost model chose to recompute although a tier held them."""
         self.counts = EngineOffloadStats()
@@ -197,16 +166,21 @@ class KVOffload:
         Judged on the whole prefix, not block by block: the step-cost model is a running maximum of noisy
         samples, flat wherever one slow step sits, so a stretch of blocks (first or last) can look free
         to recompute while the prefix as a whole costs seconds."""
-        if self.cost is None or not tiers:
+        if (self.cost is None and not self.token_seconds) or not tiers:
             return tiers
-        base = self.cost(num_tokens_after)
         load_s, longest = 0.0, 0
         for i, tier in enumerate(tiers):
             load_s += self._read_seconds(tier, 1)
-            if self.cost(num_tokens_after + (i + 1) * self.block_size) - base > load_s:
+            if self._recompute_seconds(num_tokens_after, (i + 1) * self.block_size) > load_s:
                 longest = i + 1
         self.num_load_rejected += len(tiers) - longest
         return tiers[:longest]
+
+    def _recompute_seconds(self, num_after: int, num_tokens: int) -> float:
+        """Computing `num_tokens` more in a step that computes `num_after` anyway: the step-cost model's
+        difference, never below the per-token floor."""
+        modelled = 0.0 if self.cost is None else self.cost(num_after + num_tokens) - self.cost(num_after)
+        return max(modelled, num_tokens * self.token_seconds)
 
     def _read_seconds(self, tier: str, num_blocks: int) -> float:
         """Reading blocks from a tier and copying them into the pool."""
@@ -226,7 +200,11 @@ class KVOffload:
         held = self.store.held_in_memory([h for _, h in blocks])
         out_s = (len(blocks) - sum(held)) * self.codec.payload_bytes / max(self.copy_bandwidth.value, 1.0)
         swap_s = out_s + self._read_seconds(memory.name, len(blocks))
-        recompute_s = self.cost(num_computed_tokens) if self.cost is not None else math.inf
+        if self.cost is None and not self.token_seconds:
+            recompute_s = math.inf
+        else:
+            recompute_s = max(self.cost(num_computed_tokens) if self.cost is not None else 0.0,
+                              num_computed_tokens * self.token_seconds)
         return ("swap" if swap_s < recompute_s else "recompute"), "cheaper", held
 
     # ---- the runner's calls ------------------------------------------------------
@@ -244,8 +222,7 @@ class KVOffload:
         """Fill this step's loads' pool blocks from the committed payloads (before the forward)."""
         if blocks:
             start = time.perf_counter()
-            for block_id, block_hash in blocks:
-                self.codec.decode_into(block_id, self.to_copy[block_hash])
+            self.codec.decode([b for b, _ in blocks], [self.to_copy[h] for _, h in blocks])
             self.copy_bandwidth.observe(len(blocks) * self.codec.payload_bytes, time.perf_counter() - start)
             self.num_loaded += len(blocks)
         self.to_copy.clear()
@@ -260,6 +237,7 @@ class KVOffload:
         for (_, block_hash), payload in zip(blocks, payloads, strict=True):
             self.store.put(block_hash, payload)
         self.num_stored += len(blocks)
+        self.store_seconds += time.perf_counter() - start
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         if self.cost is None:
