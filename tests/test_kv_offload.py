@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from threefold.errors import ThreefoldError
 from threefold.kv.paged import PagedKVCache
 from threefold.kv.registry import make_codec
 from threefold.kvstore import OffloadConfig, TieredKVStore
@@ -197,3 +198,10 @@ def test_two_engines_share_redis_and_survive_its_death(make_llm, baseline, redis
     stats = b.engine.core.offload.store.stats().tiers["redis"]
     assert sum(stats.faults.values()) + stats.skipped >= 1
     b.close()
+
+
+@pytest.mark.parametrize("pool,offload_codec", [("kivi2:group=16,residual=16", None), ("auto", "turboquant")])
+def test_codecs_the_tiers_cannot_move_are_refused_at_startup(make_llm, pool, offload_codec):
+    config = OffloadConfig(cpu_bytes=10 * BLOCK_BYTES_FP32, codec=offload_codec)
+    with pytest.raises(ThreefoldError, match="kv_offload does not support"):
+        make_llm(kv_offload=config, kv_cache_dtype=pool, **POOL)
