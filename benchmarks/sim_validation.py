@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -113,21 +115,11 @@ def summary(ttfts: list[float], hit_rate: float) -> dict:
 
 
 def run_policy(policy: str, urls: list[str], ns, sessions, keyer, model: EngineModel, schedule) -> dict:
-    config = router_config(model, ns.slo, ns.seed)
-    router = Router(urls, policy, config, keyer, ProxyConfig())
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(router), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    while not _healthy(url):
-        time.sleep(0.1)
-    before = scrape(url, urls)
-    records = replay(url, ns, sessions, f"{policy}-{ns.seed}", keyer, *schedule)
-    in_run = delays_between(before, scrape(url, urls))
-    state = httpx.get(f"{url}/router/state").json()["backends"]
-    server.should_exit = True
-    thread.join(10)
+    with serving_router(Router(urls, policy, router_config(model, ns.slo, ns.seed), keyer, ProxyConfig())) as url:
+        before = scrape(url, urls)
+        records = replay(url, ns, sessions, f"{policy}-{ns.seed}", keyer, *schedule)
+        in_run = delays_between(before, scrape(url, urls))
+        state = httpx.get(f"{url}/router/state").json()["backends"]
     (Path(ns.out) / f"records_{policy}.json").write_text(json.dumps(records))  # to re-simulate without a rerun
     return {**compare(policy, records, ns, model, len(urls)), "routed": [s.get("routed", 0) for s in state.values()],
             "delays_in_run": dataclasses.asdict(in_run) if in_run else None}
@@ -153,7 +145,15 @@ def compare(policy: str, records: list[list[dict]], ns, model: EngineModel, num_
 
 def probe_delays(urls: list[str], ns, keyer, model: EngineModel) -> Delays:
     """The dispatch and report delays on idle replicas, through a round-robin router (2 requests each)."""
-    router = Router(urls, "round_robin", router_config(model, ns.slo, ns.seed), keyer, ProxyConfig())
+    with serving_router(Router(urls, "round_robin", router_config(model, ns.slo, ns.seed), keyer,
+                               ProxyConfig())) as url:
+        probe(url, urls, ns.model, 2)  # warm-up: first requests build caches
+        return probe(url, urls, ns.model, 4 * len(urls))
+
+
+@contextlib.contextmanager
+def serving_router(router: Router) -> Iterator[str]:
+    """The router's app on a free loopback port, in a thread, for the block's duration -> its URL."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(router), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -161,11 +161,11 @@ def probe_delays(urls: list[str], ns, keyer, model: EngineModel) -> Delays:
     url = f"http://127.0.0.1:{port}"
     while not _healthy(url):
         time.sleep(0.1)
-    probe(url, urls, ns.model, 2)  # warm-up: first requests build caches
-    delays = probe(url, urls, ns.model, 4 * len(urls))
-    server.should_exit = True
-    thread.join(10)
-    return delays
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def _gauge(text: str, name: str) -> float:
