@@ -24,7 +24,7 @@ def static_text(name: str) -> str:
 
 
 def test_page_names_no_external_url():
-    for name in ("dashboard.html", "dashboard.js"):
+    for name in ("dashboard.html", "dashboard.js", "dashboard_common.js", "dashboard.css"):
         assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", static_text(name)), name
     vendored = static_text("uPlot.iife.min.js")
     banner_end = vendored.index("*/") + 2 if vendored.startswith("/*") else 0  # licence banner names its home

@@ -19,7 +19,9 @@ from fastapi.responses import Response
 from threefold.errors import ThreefoldError
 from threefold.router.proxy import Router
 
-_SHARED = {"uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css", "uPlot.LICENSE": "text/plain"}
+_SHARED = {"uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css", "uPlot.LICENSE": "text/plain",
+           "dashboard_common.js": "text/javascript", "dashboard.css": "text/css"}
+"""The server's static files this page uses too (named here, not imported: threefold.server pulls in the engine)."""
 _OWN = {"router_dashboard.js": "text/javascript"}
 _CSP = "default-src 'self'; style-src 'self' 'unsafe-inline'"
 """The page may load nothing but this router's own files: the browser itself enforces it."""

@@ -18,8 +18,10 @@ from threefold.ledger import parse_window
 from threefold.server.errors import ServerError
 from threefold.server.serving_common import ServerState
 
-STATIC_FILES = {"uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css",
-                "dashboard.js": "text/javascript", "uPlot.LICENSE": "text/plain"}
+STATIC_FILES = {"uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css", "uPlot.LICENSE": "text/plain",
+                "dashboard_common.js": "text/javascript", "dashboard.css": "text/css",
+                "dashboard.js": "text/javascript"}
+"""The page's files; all but dashboard.js are the router's dashboard's too (router/dashboard.py names them)."""
 _CSP = "default-src 'self'; style-src 'self' 'unsafe-inline'"
 """The page may load nothing but this server's own files: the browser itself enforces it."""
 

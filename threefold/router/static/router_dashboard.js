@@ -1,8 +1,7 @@
 // The router's live dashboard: polls /dashboard/data every second; cluster totals and one row per replica
-// go into elements with ids (what the browser test reads); uPlot draws the last few minutes per replica.
+// go into elements with ids (what the browser test reads); uPlot draws the last few minutes per replica
+// (helpers: the server's dashboard_common.js).
 "use strict";
-const HISTORY = 300;
-const colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"];
 const charts = [
   {title: "output tokens/s, per replica", pick: (b, prev, dt) =>
     b.replica && prev && prev.replica ? (b.replica.generation_tokens - prev.replica.generation_tokens) / dt : null},
@@ -10,22 +9,6 @@ const charts = [
   {title: "prefix hit rate, per replica", pick: b => b.replica ? b.replica.prefix_hit_rate : null},
 ];
 let last = null, polls = 0, names = null;
-
-function text(value, digits) {
-  if (value === null || value === undefined) return "-";
-  return digits === undefined ? String(value) : value.toFixed(digits);
-}
-
-function show(id, value, digits) { document.getElementById(id).textContent = text(value, digits); }
-
-function makeChart(title) {
-  const box = document.createElement("div");
-  box.className = "chart";
-  document.getElementById("charts").appendChild(box);
-  const series = [{}].concat(names.map((n, i) => ({label: n, stroke: colors[i % colors.length], width: 2})));
-  const data = [[]].concat(names.map(() => []));
-  return {plot: new uPlot({title, width: 420, height: 200, series}, data, box), data};
-}
 
 function row(b, i) {
   const r = b.replica || {};
@@ -57,15 +40,10 @@ function update(d) {
   body.replaceChildren(...d.backends.map(row));
   if (names === null) {
     names = d.backends.map(b => b.url.replace(/^https?:\/\//, ""));
-    charts.forEach(c => { c.chart = makeChart(c.title); });
+    charts.forEach(c => { c.chart = makeChart(c.title, names); });
   }
   const previous = last ? Object.fromEntries(last.backends.map(b => [b.url, b])) : {};
-  charts.forEach(c => {
-    c.chart.data[0].push(d.time);
-    d.backends.forEach((b, i) => c.chart.data[i + 1].push(c.pick(b, previous[b.url], dt)));
-    if (c.chart.data[0].length > HISTORY) c.chart.data.forEach(column => column.shift());
-    c.chart.plot.setData(c.chart.data);
-  });
+  charts.forEach(c => push(c.chart, d.time, d.backends.map(b => c.pick(b, previous[b.url], dt))));
   last = d;
 }
 

@@ -1,7 +1,7 @@
 // The live dashboard: polls /dashboard/data every second, writes the latest numbers into elements with ids
-// (what the browser test reads) and plots the last few minutes with uPlot. Loads nothing from elsewhere.
+// (what the browser test reads) and plots the last few minutes with uPlot (helpers: dashboard_common.js).
+// Loads nothing from elsewhere.
 "use strict";
-const HISTORY = 300;
 const charts = [
   {title: "throughput (output tokens/s)", series: ["tok/s"], pick: (d, rate) => [rate]},
   {title: "requests", series: ["running", "waiting"], pick: d => [d.running, d.waiting]},
@@ -9,30 +9,8 @@ const charts = [
   {title: "prefix hit rate / draft acceptance", series: ["prefix hits", "draft acceptance"],
    pick: d => [d.prefix_hit_rate, d.draft_acceptance]},
 ];
-const colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"];
 const TIERS = ["cpu", "disk", "redis"];
 let savingsChart = null, tierChart = null, last = null, polls = 0;
-
-function makeChart(title, names) {
-  const box = document.createElement("div");
-  box.className = "chart";
-  document.getElementById("charts").appendChild(box);
-  const series = [{}].concat(names.map((n, i) => ({label: n, stroke: colors[i % colors.length], width: 2})));
-  const data = [[]].concat(names.map(() => []));
-  return {plot: new uPlot({title, width: 420, height: 200, series}, data, box), data};
-}
-
-function push(chart, t, values) {
-  chart.data[0].push(t);
-  values.forEach((v, i) => chart.data[i + 1].push(v === null || v === undefined ? null : v));
-  if (chart.data[0].length > HISTORY) chart.data.forEach(column => column.shift());
-  chart.plot.setData(chart.data);
-}
-
-function show(id, value, digits) {
-  const text = value === null || value === undefined ? "-" : (digits === undefined ? String(value) : value.toFixed(digits));
-  document.getElementById(id).textContent = text;
-}
 
 function update(d) {
   const rate = last ? (d.generation_tokens - last.generation_tokens) / Math.max(d.time - last.time, 1e-3) : 0;
