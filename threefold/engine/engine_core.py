@@ -40,10 +40,6 @@ def default_kv_cache_memory() -> int:
     return int(min(psutil.virtual_memory().available * _DEFAULT_KV_FRACTION, _DEFAULT_KV_CAP))
 
 
-OFFLOAD_CODECS = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4")
-"""Pool and offload codecs whose blocks the offload tiers can move (dense or scaled storage)."""
-
-
 class EngineCore:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig,
                  max_model_len: int, device: str = "cpu", speculative: SpeculativeConfig | None = None,
@@ -93,12 +89,9 @@ class EngineCore:
                                  f"{runner.kv_cache_dtype}); use one codec for every layer.", param="kv_offload")
         codec = runner.codec if config.codec is None else make_codec(
             config.codec, loaded.config.num_kv_heads, loaded.config.head_dim, loaded.config.dtype)
-        for name, which in ((runner.codec.name, "kv_cache_dtype"), (codec.name, "kv_offload codec")):
-            if name not in OFFLOAD_CODECS:  # windowed and rotated codecs keep state BlockCodec cannot move
-                raise ThreefoldError(f"kv_offload does not support {which} {name!r} yet; use one of "
-                                     f"{', '.join(OFFLOAD_CODECS)}.", param="kv_offload")
         namespace = Namespace(loaded.fingerprint, str(codec.spec), cache.block_size)
-        offload = KVOffload(TieredKVStore(config, namespace), BlockCodec(runner.kv_cache, codec), cache.block_size,
+        block_codec = BlockCodec(runner.kv_cache, codec)  # first: it refuses codecs the tiers cannot move
+        offload = KVOffload(TieredKVStore(config, namespace), block_codec, cache.block_size,
                             prefill_profile(loaded.model))
         runner.offload = offload
         logger.info("KV offload: tiers %s, codec %s, %d bytes/block, recompute floor %.3f ms/token",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from threefold.errors import ThreefoldError
 from threefold.kv.codec import KVCodec
 from threefold.kv.codecs.scaled import ScaledStorage
 from threefold.kv.paged import PagedKVCache
@@ -48,10 +49,16 @@ class BlockCodec:
         assert cache.codec is not None, "a per-layer codec mix has no offload (the engine refuses it)"
         self.pool_codec: KVCodec = cache.codec
         self.codec = offload_codec
+        offload_storage = offload_codec.allocate(1, cache.block_size, torch.device("cpu"))
+        for storage, codec, which in ((cache.layers[0], cache.codec, "kv_cache_dtype"),
+                                      (offload_storage, offload_codec, "kv_offload codec")):
+            if not isinstance(storage, torch.Tensor | ScaledStorage):  # windowed/rotated codecs keep more state
+                raise ThreefoldError(f"kv_offload does not support {which} {codec.name!r} yet: the tiers move "
+                                     f"dense or scaled blocks (auto, int8, fp8, fp8_e5m2, int4).", param="kv_offload")
         self.transcode = str(offload_codec.spec) != str(self.pool_codec.spec)
         self.block_size = cache.block_size
         self.num_layers = len(cache.layers)
-        sample = _byte_views(offload_codec.allocate(1, self.block_size, torch.device("cpu")))
+        sample = _byte_views(offload_storage)
         self._block_shapes = [view.shape[2:] for view in sample]
         """Each part's block, in bytes: [block_size, heads, bytes of a row] or the codec's own layout."""
         self._part_bytes = [self.num_layers * 2 * view[0, 0].nbytes for view in sample]
