@@ -36,8 +36,21 @@ def test_block_hashes_chain_and_prefix_match():
     index = PrefixIndex(capacity_blocks=3)
     index.insert(a)
     assert index.match(a) == 2 and index.match(b) == 1
-    index.insert(block_hashes(list(range(100, 108)), 4))  # 4 blocks > capacity 3: LRU drops a[0]
-    assert index.match(a) == 0
+    index.insert(block_hashes(list(range(100, 108)), 4))  # 4 blocks > capacity 3: LRU drops a's tail
+    assert index.match(a) == 1
+
+
+def test_prefix_index_evicts_a_prefix_from_its_tail():
+    """Like the engine (a finished request frees its blocks tail first), eviction shortens a cached
+    prefix from its end; evicting its first block would leave every later one unmatchable."""
+    index = PrefixIndex(capacity_blocks=6)
+    long = block_hashes(list(range(24)), 4)  # 6 blocks
+    index.insert(long)
+    index.insert(block_hashes(list(range(100, 108)), 4))  # 2 more blocks: 2 of `long`'s must go
+    assert index.match(long) == 4 and len(index) == 6
+    index.insert(long[:2])  # a hit on the head refreshes the head only
+    index.insert(block_hashes(list(range(200, 212)), 4))  # 3 more: the unrefreshed tail goes first
+    assert index.match(long) == 2
 
 
 def test_ring_join_moves_only_the_new_backends_arcs_and_leave_only_the_leavers():

@@ -6,6 +6,10 @@ over block-aligned prefixes: a prompt's cached length is the number of leading
 block hashes found. This is the block-level form of SGLang's approximate radix
 tree; the router inserts a prompt's blocks when it routes it there and forgets
 the least recently used blocks beyond `capacity_blocks` (the engine's KV pool).
+A prompt's blocks are touched tail first, so its first block is the most recent:
+eviction then trims a prefix from its end, as the engine does (a finished request
+frees its blocks tail first), instead of cutting its head and leaving every later
+block of the chain unmatchable.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ class PrefixIndex:
         return matched
 
     def insert(self, hashes: Sequence[int]) -> None:
-        for h in hashes:
+        for h in reversed(hashes):  # tail first: the head is evicted last
             self._blocks[h] = None
             self._blocks.move_to_end(h)
         while len(self._blocks) > self.capacity_blocks:
