@@ -209,8 +209,13 @@ def stop(engines: list[subprocess.Popen]) -> None:
 
 def markdown(report: dict) -> str:
     delays = report.get("delays") or {}
-    head = (f"dispatch delay {delays.get('dispatch_s', 0.0) * 1e3:.1f} ms, "
+    head = (f"idle probe: dispatch delay {delays.get('dispatch_s', 0.0) * 1e3:.1f} ms, "
             f"report delay {delays.get('report_s', 0.0) * 1e3:.1f} ms")
+    for row in report["policies"]:
+        run = row.get("delays_in_run") or {}
+        if run:
+            head += (f"; {row['policy']} run: {run['dispatch_s'] * 1e3:.1f} / {run['report_s'] * 1e3:.1f} ms"
+                     f" over {run['requests']} requests, routed {row.get('routed')}")
     lines = [head, "", "| policy | metric | real | sim, replayed | error | sim, own schedule | error |",
              "|---|---|---|---|---|---|---|"]
     for row in report["policies"]:
@@ -239,7 +244,10 @@ def resimulate(ns: argparse.Namespace) -> None:
               "delays": dataclasses.asdict(delays)}
     for row in previous["policies"]:
         records = json.loads((out / f"records_{row['policy']}.json").read_text())
-        report["policies"].append({**row, **compare(row["policy"], records, ns, model, previous["args"]["replicas"])})
+        in_run = row.get("delays_in_run") if ns.in_run_delays and not ns.no_delays else None
+        row_model = Delays(**in_run).apply(model) if in_run else model  # the HTTP path at the run's own load
+        replicas = previous["args"]["replicas"]
+        report["policies"].append({**row, **compare(row["policy"], records, ns, row_model, replicas)})
     print(markdown(report))
 
 
@@ -261,6 +269,9 @@ def main() -> None:
                         help="no real run: simulate the records_<policy>.json a run left in --out again "
                              "(with --calibration, e.g. a refitted one)")
     parser.add_argument("--no-delays", action="store_true", help="with --resimulate: without the HTTP delays")
+    parser.add_argument("--in-run-delays", action="store_true",
+                        help="with --resimulate: each policy with the HTTP delays measured over its own run "
+                             "(the path's cost at that load) instead of the idle probe's")
     parser.add_argument("--out", required=True)
     ns = parser.parse_args()
     if ns.resimulate:
