@@ -109,7 +109,11 @@ def _sweep_one(report: dict, model: EngineModel, trace: Trace, n: int, policy: s
     started = time.perf_counter()
 
     def run(rate: float) -> RunResult:
-        return simulate(model, trace, n, policy, rate * n, slo, ns.seed)
+        result = simulate(model, trace, n, policy, rate * n, slo, ns.seed)
+        print(f"{n:5d} inst {trace.name:9s} {policy:13s} rate {rate:.3f}: SLO attainment {result.slo_attainment:.3f}, "
+              f"TTFT p50 {result.ttft_p50:.2f} s, hit rate {result.hit_rate:.3f} "
+              f"({time.perf_counter() - started:.0f}s)", flush=True)  # long sweeps: each run as it ends
+        return result
 
     capacity, results = effective_capacity(run, rates, ns.bisect_steps)
     report["runs"].extend(asdict(r) for r in results)
