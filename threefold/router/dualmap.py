@@ -137,7 +137,7 @@ class DualMap(Policy):
 
     def tick(self, now: float) -> None:
         for name in list(self.queues):  # every one: a rebalance may queue requests on instances further on
-            if self._is_hotspot(name, now):
+            if self.queues[name] and self._is_hotspot(name, now):  # an empty queue is no hotspot: skip it cheaply
                 self.rebalance(name, now)
 
     def _with_queue(self) -> list[str]:
