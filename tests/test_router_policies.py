@@ -68,6 +68,18 @@ def test_ring_join_moves_only_the_new_backends_arcs_and_leave_only_the_leavers()
     assert all(ring.lookup(k) == before[k] for k in keys if before[k] != "b")
 
 
+def test_ring_changed_without_lookups_between_equals_a_fresh_ring():
+    """Points are sorted lazily (at the next lookup): adds and removes in a row must still give the ring
+    that a fresh build over the same backends gives."""
+    ring = HashRing(["a", "b"], vnodes=50)
+    ring.add("c")
+    ring.remove("a")
+    ring.add("d")
+    fresh = HashRing(["b", "c", "d"], vnodes=50)
+    keys = range(0, 1 << 64, (1 << 64) // 500)
+    assert [ring.lookup(k) for k in keys] == [fresh.lookup(k) for k in keys]
+
+
 def test_prefix_hash_is_sticky_and_bounded():
     policy = make_policy("prefix_hash", ["a", "b", "c", "d"], CFG)
     same = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
