@@ -68,8 +68,8 @@ class Twin:
             outs.append(attention(0, q, k, v))
             for i, ctx, n in chunks:
                 self.windows[side][i].filled = ctx + n
-        tol = {"atol": 3e-5, "rtol": 1e-5} if self.dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
-        torch.testing.assert_close(outs[1], outs[0], **tol)
+        fp32 = self.dtype == torch.float32
+        torch.testing.assert_close(outs[1], outs[0], atol=3e-5 if fp32 else 3e-2, rtol=1e-5 if fp32 else 2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -96,11 +96,12 @@ def test_kivi_kernel_rejects_bad_input(kernels):
     q = torch.zeros(1, 4, 64)
     codes = torch.zeros(3, 16, 2, 16, dtype=torch.uint8)
     k_meta, v_meta = torch.zeros(3, 1, 2, 64, dtype=torch.float16), torch.zeros(3, 16, 2, 4, dtype=torch.float16)
-    ring, table, one = torch.zeros(2, 1, 32, 2, 64), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    ring, table = torch.zeros(2, 1, 32, 2, 64), torch.zeros(1, 1, dtype=torch.long)
+    one = torch.ones(1, dtype=torch.long)
     args = [codes, codes, k_meta, k_meta, v_meta, v_meta, ring, table, one, one, one, one, 1.0]
     kernels.kivi_attention(torch.empty_like(q), q, *args)  # well formed
+    bad = torch.zeros(3, 16, 2, 8, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="2 or 4 bits"):
-        bad = torch.zeros(3, 16, 2, 8, dtype=torch.uint8)
         kernels.kivi_attention(torch.empty_like(q), q, bad, bad, *args[2:])
     with pytest.raises(RuntimeError, match="share a dtype"):
         kernels.kivi_attention(torch.empty_like(q), q, *args[:6], ring.bfloat16(), *args[7:])
