@@ -207,12 +207,14 @@ def kivi_decode_time(codec, config, length: int, batch: int, dtype: torch.dtype,
     for b in range(batch):
         ids = torch.arange(1 + b * per_seq, 1 + (b + 1) * per_seq)
         window = arena.acquire(str(b), 0)
-        request = KiviRequest(0, length - 1, 0, ids, window)
+        # the context ends one token short of a block: each timed step decodes a token that completes
+        # no block (31 of 32 decodes do; the 32nd also encodes a block)
+        request = KiviRequest(0, length - 2, 0, ids, window)
         KiviAttention(cache, arena, [request], d ** -0.5, codec.residual)(
-            0, torch.randn(length - 1, config.num_heads, d).to(dtype), torch.randn(length - 1, kvh, d).to(dtype),
-            torch.randn(length - 1, kvh, d).to(dtype))
-        window.filled = length - 1
-        requests.append(KiviRequest(b, 1, length - 1, ids, window))
+            0, torch.randn(length - 2, config.num_heads, d).to(dtype), torch.randn(length - 2, kvh, d).to(dtype),
+            torch.randn(length - 2, kvh, d).to(dtype))
+        window.filled = length - 2
+        requests.append(KiviRequest(b, 1, length - 2, ids, window))
     step = KiviAttention(cache, arena, requests, d ** -0.5, codec.residual, kernels=cpu_kernels())
     q, k, v = (torch.randn(batch, n, d).to(dtype) for n in (config.num_heads, kvh, kvh))
     step(0, q, k, v)

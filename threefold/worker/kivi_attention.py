@@ -55,6 +55,16 @@ class KiviRequest:
     window: Window
 
 
+@dataclass
+class _StepPlan:
+    plain: list[int]
+    """Requests written through `_write` (chunks, and decodes that complete a block)."""
+    ring_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    """The other decodes' query rows, ring slots and ring rows."""
+    decodes: list[int]
+    decode_args: dict[int, tuple[torch.Tensor, ...]]
+
+
 class KiviAttention:
     """The AttentionFn over a KIVI cache for one step."""
 
@@ -71,6 +81,7 @@ class KiviAttention:
         """Layer -> its ring row in the arena (None: row = layer, every layer windowed)."""
         self.kernels = kernels
         """The native build (kivi_attention), or None: the plain-torch path."""
+        self._plan: _StepPlan | None = None
         self.block_size = cache.block_size
 
     def _codec(self, layer_idx: int) -> WindowedCodec:
@@ -92,26 +103,36 @@ class KiviAttention:
         native = layout is not None and layout.kind == "kivi"
         _log_path(native)
         spans = [slice(r.query_start, r.query_start + r.query_len) for r in self.requests]
-        dense = [self._write(layer_idx, codec, residual, r, k[span], v[span], lazy=native)
-                 for r, span in zip(self.requests, spans, strict=True)]
         out = torch.empty_like(q)
         if native:
-            self._attend_native(layer_idx, layout, residual, q, dense, out)
+            exact = self._write_native(layer_idx, codec, residual, k, v, spans)
+            self._attend_native(layer_idx, layout, residual, q, exact, out)
             return out
+        dense = [self._write(layer_idx, codec, residual, r, k[span], v[span])
+                 for r, span in zip(self.requests, spans, strict=True)]
         for r, span, (lo, dk, dv) in zip(self.requests, spans, dense, strict=True):
             out[span] = self._attend(layer_idx, codec, residual, r, q[span], lo, dk, dv)
         return out
 
+    def _write_native(self, layer_idx: int, codec: WindowedCodec, residual: int, k: torch.Tensor, v: torch.Tensor,
+                      spans: list[slice]) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
+        """The native path's writes: decodes that complete no block only put their token in the ring
+        (one indexed copy for all of them: the kernel reads the rings); every other request goes
+        through `_write`, whose exact K/V (by request index) a prefill chunk's kernel call reads."""
+        plain = self._step_plan().plain
+        dense = {i: self._write(layer_idx, codec, residual, self.requests[i], k[spans[i]], v[spans[i]])
+                 for i in plain}
+        rows, slots, positions = self._step_plan().ring_writes
+        if len(rows):
+            ring = self._ring(layer_idx)
+            ring[:, slots, positions] = torch.stack([k.index_select(0, rows), v.index_select(0, rows)])
+        return dense
+
     def _write(self, layer_idx: int, codec: WindowedCodec, residual: int, r: KiviRequest, k: torch.Tensor,
-               v: torch.Tensor, lazy: bool = False) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """Encode completed blocks, update the ring; return the exact K/V of positions [lo, ctx + len).
-        lazy (the native path): a decode that completes no block only puts its token in the ring
-        (the kernel reads the ring itself) and returns no K/V."""
+               v: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Encode completed blocks, update the ring; return the exact K/V of positions [lo, ctx + len)."""
         ctx, hi, bs, size = r.context_len, r.context_len + r.query_len, self.block_size, self.arena.size
         ring = self._ring(layer_idx)[:, r.window.slot]  # [2, size, kvh, d]
-        if lazy and r.query_len == 1 and hi % bs:
-            ring[0, ctx % size], ring[1, ctx % size] = k[0], v[0]
-            return ctx, k, v
         lo = min(ctx - ctx % bs, self.quantized_len(r.window, ctx + 1, residual))
         before = ring.index_select(1, torch.arange(lo, ctx, device=k.device) % size)
         dk, dv = torch.cat([before[0], k]), torch.cat([before[1], v])
@@ -127,15 +148,25 @@ class KiviAttention:
         ring[1].index_copy_(0, slots, dv[keep - lo:])
         return lo, dk, dv
 
-    def _attend_native(self, layer_idx: int, layout, residual: int, q: torch.Tensor,
-                       dense: list[tuple[int, torch.Tensor, torch.Tensor]], out: torch.Tensor) -> None:
-        """Every decode row in one kernel call over the rings; each prefill chunk in one call over
-        its exact K/V [lo, hi) (a chunk longer than the ring has overwritten rows it still needs)."""
-        assert self.kernels is not None
-        device = q.device
-        decodes = [i for i, r in enumerate(self.requests) if r.query_len == 1]
-        if decodes:
-            reqs = [self.requests[i] for i in decodes]
+    def _step_plan(self) -> _StepPlan:
+        """What the native path needs of the step, the same in every layer: built at the first."""
+        if self._plan is None:
+            bs, size, device = self.block_size, self.arena.size, self.arena.ring.device
+            lazy = [i for i, r in enumerate(self.requests) if r.query_len == 1 and (r.context_len + 1) % bs]
+            reqs = [self.requests[i] for i in lazy]
+            self._plan = _StepPlan(
+                [i for i in range(len(self.requests)) if i not in set(lazy)],
+                (torch.tensor([r.query_start for r in reqs], dtype=torch.long, device=device),
+                 torch.tensor([r.window.slot for r in reqs], dtype=torch.long, device=device),
+                 torch.tensor([r.context_len % size for r in reqs], dtype=torch.long, device=device)),
+                [i for i, r in enumerate(self.requests) if r.query_len == 1], {})
+        return self._plan
+
+    def _decode_args(self, residual: int) -> tuple[torch.Tensor, ...]:
+        """The decode rows' query rows, block tables [rows, width] and meta [4, rows] (per residual)."""
+        plan = self._step_plan()
+        if residual not in plan.decode_args:
+            reqs, device = [self.requests[i] for i in plan.decodes], self.arena.ring.device
             width = max(len(r.block_ids) for r in reqs)
             tables = torch.zeros(len(reqs), width, dtype=torch.long, device=device)
             for row, r in enumerate(reqs):
@@ -144,9 +175,23 @@ class KiviAttention:
             rows = torch.tensor([r.query_start for r in reqs], device=device)
             meta = torch.tensor([[self.quantized_len(r.window, n, residual) for r, n in zip(reqs, lens, strict=True)],
                                  lens, [r.window.slot for r in reqs], [0] * len(reqs)], device=device)
-            result = torch.empty(len(reqs), *q.shape[1:], dtype=q.dtype, device=device)
-            self._kernel(layout, result, q.index_select(0, rows), self._ring(layer_idx), tables, meta)
-            out.index_copy_(0, rows, result)
+            plan.decode_args[residual] = (rows, tables, meta)
+        return plan.decode_args[residual]
+
+    def _attend_native(self, layer_idx: int, layout, residual: int, q: torch.Tensor,
+                       dense: dict[int, tuple[int, torch.Tensor, torch.Tensor]], out: torch.Tensor) -> None:
+        """Every decode row in one kernel call over the rings; each prefill chunk in one call over
+        its exact K/V [lo, hi) (a chunk longer than the ring has overwritten rows it still needs)."""
+        device = q.device
+        if self._step_plan().decodes:
+            rows, tables, meta = self._decode_args(residual)
+            first, n = int(rows[0]), len(rows)
+            if int(rows[-1]) - first == n - 1:  # the runner puts decodes first, in order: views
+                self._kernel(layout, out[first:first + n], q[first:first + n], self._ring(layer_idx), tables, meta)
+            else:
+                result = torch.empty(n, *q.shape[1:], dtype=q.dtype, device=device)
+                self._kernel(layout, result, q.index_select(0, rows), self._ring(layer_idx), tables, meta)
+                out.index_copy_(0, rows, result)
         for i, r in enumerate(self.requests):
             if r.query_len == 1:
                 continue
@@ -162,10 +207,8 @@ class KiviAttention:
                 meta: torch.Tensor) -> None:
         """meta [4, rows]: quantized lengths, seq lengths, ring slots, ring bases."""
         assert self.kernels is not None
-        quant_lens, seq_lens, slots, bases = meta.contiguous().unbind(0)
         self.kernels.kivi_attention(out, q, layout.k, layout.v, layout.k_scales, layout.k_zeros, layout.v_scales,
-                                    layout.v_zeros, ring, tables, quant_lens.contiguous(), seq_lens.contiguous(),
-                                    slots.contiguous(), bases.contiguous(), self.scale)
+                                    layout.v_zeros, ring, tables, *meta, self.scale)
 
     def _attend(self, layer_idx: int, codec: WindowedCodec, residual: int, r: KiviRequest, q: torch.Tensor, lo: int,
                 dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
