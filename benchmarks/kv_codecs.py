@@ -9,8 +9,11 @@ contexts of >= 1024 tokens, scored position by position with prefill chunks of 6
 so every chunk after the first reads its context back from the compressed cache; ppl, KL
 against `auto` and top-1 agreement over all positions. Fidelity: the model's real K/V of the
 first context round-tripped through each codec, attention recomputed (cosines, top-1 key).
-Speed: one layer's decode attention (native kernel; KIVI, GEAR, TurboQuant: their plain-torch
-path) per token at 1k and 4k contexts, batch 4, against `auto`.
+Speed: one layer's decode attention (native kernels, KIVI's too; GEAR, TurboQuant: their
+plain-torch path) per token at 1k and 4k contexts (--speed-lengths), batch 4, against `auto`.
+Throughput (--throughput, under the lock): offline ShareGPT first turns through LLM.generate
+at a small KV budget (--budget, 64 MiB), per codec: output tok/s and the most sequences that
+ran at once, against `auto`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import platform
 import time
 
@@ -189,7 +193,8 @@ def speed_rows(config, codecs: list[str], dtype: torch.dtype, lengths=(1024, 409
 
 
 def kivi_decode_time(codec, config, length: int, batch: int, dtype: torch.dtype, repeats: int) -> float:
-    """One layer's decode step over KIVI blocks + windows (the plain-torch path: no native kernel yet)."""
+    """One layer's decode step over KIVI blocks + windows (the native kernel where it runs: kivi2/kivi4;
+    the context is written through the plain-torch path)."""
     from threefold.kv.paged import PagedKVCache
     from threefold.kv.window import WindowArena
     from threefold.worker.kivi_attention import KiviAttention, KiviRequest
@@ -202,13 +207,15 @@ def kivi_decode_time(codec, config, length: int, batch: int, dtype: torch.dtype,
     for b in range(batch):
         ids = torch.arange(1 + b * per_seq, 1 + (b + 1) * per_seq)
         window = arena.acquire(str(b), 0)
-        request = KiviRequest(0, length - 1, 0, ids, window)
+        # the context ends one token short of a block: each timed step decodes a token that completes
+        # no block (31 of 32 decodes do; the 32nd also encodes a block)
+        request = KiviRequest(0, length - 2, 0, ids, window)
         KiviAttention(cache, arena, [request], d ** -0.5, codec.residual)(
-            0, torch.randn(length - 1, config.num_heads, d).to(dtype), torch.randn(length - 1, kvh, d).to(dtype),
-            torch.randn(length - 1, kvh, d).to(dtype))
-        window.filled = length - 1
-        requests.append(KiviRequest(b, 1, length - 1, ids, window))
-    step = KiviAttention(cache, arena, requests, d ** -0.5, codec.residual)
+            0, torch.randn(length - 2, config.num_heads, d).to(dtype), torch.randn(length - 2, kvh, d).to(dtype),
+            torch.randn(length - 2, kvh, d).to(dtype))
+        window.filled = length - 2
+        requests.append(KiviRequest(b, 1, length - 2, ids, window))
+    step = KiviAttention(cache, arena, requests, d ** -0.5, codec.residual, kernels=cpu_kernels())
     q, k, v = (torch.randn(batch, n, d).to(dtype) for n in (config.num_heads, kvh, kvh))
     step(0, q, k, v)
     best = math.inf
@@ -218,6 +225,56 @@ def kivi_decode_time(codec, config, length: int, batch: int, dtype: torch.dtype,
             step(0, q, k, v)  # rewrites the same position: the same work every call
         best = min(best, (time.perf_counter() - start) / repeats)
     return best
+
+
+def throughput_rows(model: str, codecs: list[str], budget: int, num_prompts: int, prompt_tokens: int,
+                    output_tokens: int) -> list[dict]:
+    """Offline generation of ShareGPT test-split first turns (truncated to prompt_tokens, exactly
+    output_tokens each) at a `budget`-byte KV pool: output tok/s and peak running sequences."""
+    from threefold.sample.params import SamplingParams
+
+    rows = []
+    for spec in codecs:
+        llm = LLM(model, dtype="auto", kv_cache_dtype=spec, kv_cache_memory=budget, block_size=block_size_for(spec),
+                  max_model_len=prompt_tokens + output_tokens, max_num_seqs=256, enable_prefix_caching=False)
+        tokenizer = llm.engine.core.loaded.tokenizer
+        prompts = []
+        for record in open_sharegpt().iter_records("test", seed=0):
+            turns = list(dialogue(record))
+            if turns:
+                prompts.append({"prompt_token_ids": tokenizer.encode(turns[0][0])[:prompt_tokens]})
+            if len(prompts) == num_prompts:
+                break
+        params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+        core = llm.engine.core
+        llm.generate(prompts[:1], params)  # warm-up
+        peak = count_peak_running(core)
+        peak[0] = 0
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        info = core.cache_info
+        rows.append({"codec": spec, "budget_mib": budget / 2**20, "output_tok_s": num_prompts * output_tokens / elapsed,
+                     "elapsed_s": elapsed, "peak_running": peak[0], "capacity_tokens": info["capacity_tokens"],
+                     "max_num_seqs": info["max_num_seqs"], "load_avg": os.getloadavg()[0]})
+        print(json.dumps(rows[-1]), flush=True)
+    for row in rows:
+        row["tok_s_vs_auto"] = row["output_tok_s"] / rows[0]["output_tok_s"]
+        row["peak_vs_auto"] = row["peak_running"] / max(1, rows[0]["peak_running"])
+    return rows
+
+
+def count_peak_running(core) -> list[int]:
+    """[peak]: the most requests the scheduler ran at once, updated at every core step from now on."""
+    peak, step = [0], core.step
+
+    def counted_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        peak[0] = max(peak[0], len(core.scheduler.running))
+        return out
+
+    core.step = counted_step
+    return peak
 
 
 def guard_mixes(loaded, guard: str, budgets: list[float], num_tokens: int) -> tuple[list[str], list[dict]]:
@@ -247,6 +304,12 @@ def main() -> None:
     parser.add_argument("--skip-speed", action="store_true", help="memory and quality only (no timing: no lock)")
     parser.add_argument("--skip-fidelity", action="store_true")
     parser.add_argument("--speed-dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--speed-lengths", default="1024,4096", help="decode attention contexts, comma-separated")
+    parser.add_argument("--throughput", action="store_true", help="offline ShareGPT throughput at --budget (only)")
+    parser.add_argument("--budget", type=int, default=64 << 20, help="--throughput: KV bytes")
+    parser.add_argument("--num-prompts", type=int, default=48)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--guard", default=None, help="e.g. guard:kivi2: calibrate it and add its mixes as rows")
     parser.add_argument("--guard-budgets", default="0.01", help="KL budgets (nats/token) for --guard, comma-separated")
     parser.add_argument("--guard-tokens", type=int, default=512, help="calibration tokens (the engine's default: 512)")
@@ -254,6 +317,11 @@ def main() -> None:
     from threefold.model.loader import load_model
 
     codecs = split_specs(ns.codecs)
+    if ns.throughput:  # codecs[0] is the baseline of the ratios
+        result = {"cpu": cpu_info().describe(), "throughput": throughput_rows(
+            ns.model, codecs, ns.budget, ns.num_prompts, ns.prompt_tokens, ns.output_tokens)}
+        print(json.dumps(result, indent=1), flush=True)
+        return
     loaded = load_model(ns.model, dtype="float32")
     result: dict = {"cpu": cpu_info().describe(), "machine": platform.machine(), "model": ns.model}
     if ns.guard:
@@ -267,7 +335,8 @@ def main() -> None:
     print(json.dumps({k: result[k] for k in ("memory_bf16", "memory_fp32")}, indent=1, default=str), flush=True)
     if not ns.skip_speed:
         plain = [c for c in codecs if not is_mix(c)]  # a mix's speed is its layers' (per-codec rows)
-        result["speed"] = speed_rows(loaded.config, plain, getattr(torch, ns.speed_dtype))
+        lengths = tuple(int(n) for n in ns.speed_lengths.split(","))
+        result["speed"] = speed_rows(loaded.config, plain, getattr(torch, ns.speed_dtype), lengths)
         print(json.dumps(result["speed"], indent=1), flush=True)
     seqs = contexts(loaded.tokenizer, ns.contexts, ns.context_tokens)
     if not ns.skip_fidelity:

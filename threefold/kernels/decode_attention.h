@@ -1,5 +1,6 @@
 // Decode attention: the pieces every vector path shares, and the generic path (any head_dim,
-// fp32 or bf16) that the compiler vectorizes. Included by decode_attention.cpp only.
+// fp32 or bf16) that the compiler vectorizes. Included by decode_attention.cpp (and, for its
+// helpers and split_by_cost, kivi_attention.cpp).
 #pragma once
 
 #include "kernel_common.h"

@@ -16,17 +16,30 @@ reads its own codec (and residual), and its window lives in ring row `rows[layer
 Per layer: first every request writes (encodes the blocks its new tokens complete, and puts
 the tokens in its ring), then every request attends, so a block published for a prefix hit
 in this very step is encoded before any request reads it.
+
+Two paths compute the same thing (chosen per step, logged once):
+
+    native kernel   kernels/kivi_attention.cpp reads the packed blocks in place (kivi2/kivi4,
+                    not GEAR/turboquant): all decode rows of a step in one call over the rings,
+                    each prefill chunk one call over its exact K/V
+    plain torch     blocks dequantized (`read_blocks`) and one masked SDPA per request: the
+                    reference, for tests, machines without a compiler, GEAR and turboquant
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from threefold.kv.paged import PagedKVCache
 from threefold.kv.window import Window, WindowArena, WindowedCodec
+
+logger = logging.getLogger(__name__)
 
 _ROWS = 256
 """Query rows per SDPA call: bounds the [H, rows, keys] scores of a long first chunk."""
@@ -42,11 +55,22 @@ class KiviRequest:
     window: Window
 
 
+@dataclass
+class _StepPlan:
+    plain: list[int]
+    """Requests written through `_write` (chunks, and decodes that complete a block)."""
+    ring_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    """The other decodes' query rows, ring slots and ring rows."""
+    decodes: list[int]
+    decode_args: dict[int, tuple[torch.Tensor, ...]]
+
+
 class KiviAttention:
     """The AttentionFn over a KIVI cache for one step."""
 
     def __init__(self, cache: PagedKVCache, arena: WindowArena, requests: list[KiviRequest], scale: float,
-                 residual: int | None = None, rows: dict[int, int] | None = None) -> None:
+                 residual: int | None = None, rows: dict[int, int] | None = None,
+                 kernels: ModuleType | None = None) -> None:
         self.cache = cache
         self.arena = arena
         self.requests = requests
@@ -55,6 +79,9 @@ class KiviAttention:
         """Overrides every layer's codec residual (None: each layer's own)."""
         self.rows = rows
         """Layer -> its ring row in the arena (None: row = layer, every layer windowed)."""
+        self.kernels = kernels
+        """The native build (kivi_attention), or None: the plain-torch path."""
+        self._plan: _StepPlan | None = None
         self.block_size = cache.block_size
 
     def _codec(self, layer_idx: int) -> WindowedCodec:
@@ -66,24 +93,47 @@ class KiviAttention:
         """nq(n): tokens of n read from the blocks."""
         return max(window.start, (n - residual) // self.block_size * self.block_size)
 
+    def _ring(self, layer_idx: int) -> torch.Tensor:
+        return self.arena.ring[layer_idx if self.rows is None else self.rows[layer_idx]]  # [2, slots, size, kvh, d]
+
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         codec = self._codec(layer_idx)
         residual = codec.residual if self.residual is None else self.residual
+        layout = self.cache.layout(layer_idx) if self.kernels is not None else None
+        native = layout is not None and layout.kind == "kivi"
+        _log_path(native)
         spans = [slice(r.query_start, r.query_start + r.query_len) for r in self.requests]
+        out = torch.empty_like(q)
+        if native:
+            exact = self._write_native(layer_idx, codec, residual, k, v, spans)
+            self._attend_native(layer_idx, layout, residual, q, exact, out)
+            return out
         dense = [self._write(layer_idx, codec, residual, r, k[span], v[span])
                  for r, span in zip(self.requests, spans, strict=True)]
-        out = torch.empty_like(q)
         for r, span, (lo, dk, dv) in zip(self.requests, spans, dense, strict=True):
             out[span] = self._attend(layer_idx, codec, residual, r, q[span], lo, dk, dv)
         return out
+
+    def _write_native(self, layer_idx: int, codec: WindowedCodec, residual: int, k: torch.Tensor, v: torch.Tensor,
+                      spans: list[slice]) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
+        """The native path's writes: decodes that complete no block only put their token in the ring
+        (one indexed copy for all of them: the kernel reads the rings); every other request goes
+        through `_write`, whose exact K/V (by request index) a prefill chunk's kernel call reads."""
+        plain = self._step_plan().plain
+        dense = {i: self._write(layer_idx, codec, residual, self.requests[i], k[spans[i]], v[spans[i]])
+                 for i in plain}
+        rows, slots, positions = self._step_plan().ring_writes
+        if len(rows):
+            ring = self._ring(layer_idx)
+            ring[:, slots, positions] = torch.stack([k.index_select(0, rows), v.index_select(0, rows)])
+        return dense
 
     def _write(self, layer_idx: int, codec: WindowedCodec, residual: int, r: KiviRequest, k: torch.Tensor,
                v: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Encode completed blocks, update the ring; return the exact K/V of positions [lo, ctx + len)."""
         ctx, hi, bs, size = r.context_len, r.context_len + r.query_len, self.block_size, self.arena.size
+        ring = self._ring(layer_idx)[:, r.window.slot]  # [2, size, kvh, d]
         lo = min(ctx - ctx % bs, self.quantized_len(r.window, ctx + 1, residual))
-        row = layer_idx if self.rows is None else self.rows[layer_idx]
-        ring = self.arena.ring[row, :, r.window.slot]  # [2, size, kvh, d]
         before = ring.index_select(1, torch.arange(lo, ctx, device=k.device) % size)
         dk, dv = torch.cat([before[0], k]), torch.cat([before[1], v])
         first, last = ctx // bs, hi // bs  # blocks this chunk completes
@@ -91,12 +141,74 @@ class KiviAttention:
             rows = slice(first * bs - lo, last * bs - lo)
             blocks = (last - first, bs, *k.shape[1:])
             codec.encode(self.cache.layers[layer_idx], r.block_ids[first:last],
-                              dk[rows].reshape(blocks), dv[rows].reshape(blocks))
+                         dk[rows].reshape(blocks), dv[rows].reshape(blocks))
         keep = max(lo, hi - size)
         slots = torch.arange(keep, hi, device=k.device) % size
         ring[0].index_copy_(0, slots, dk[keep - lo:])
         ring[1].index_copy_(0, slots, dv[keep - lo:])
         return lo, dk, dv
+
+    def _step_plan(self) -> _StepPlan:
+        """What the native path needs of the step, the same in every layer: built at the first."""
+        if self._plan is None:
+            bs, size, device = self.block_size, self.arena.size, self.arena.ring.device
+            lazy = [i for i, r in enumerate(self.requests) if r.query_len == 1 and (r.context_len + 1) % bs]
+            reqs = [self.requests[i] for i in lazy]
+            self._plan = _StepPlan(
+                [i for i in range(len(self.requests)) if i not in set(lazy)],
+                (torch.tensor([r.query_start for r in reqs], dtype=torch.long, device=device),
+                 torch.tensor([r.window.slot for r in reqs], dtype=torch.long, device=device),
+                 torch.tensor([r.context_len % size for r in reqs], dtype=torch.long, device=device)),
+                [i for i, r in enumerate(self.requests) if r.query_len == 1], {})
+        return self._plan
+
+    def _decode_args(self, residual: int) -> tuple[torch.Tensor, ...]:
+        """The decode rows' query rows, block tables [rows, width] and meta [4, rows] (per residual)."""
+        plan = self._step_plan()
+        if residual not in plan.decode_args:
+            reqs, device = [self.requests[i] for i in plan.decodes], self.arena.ring.device
+            width = max(len(r.block_ids) for r in reqs)
+            tables = torch.zeros(len(reqs), width, dtype=torch.long, device=device)
+            for row, r in enumerate(reqs):
+                tables[row, : len(r.block_ids)] = r.block_ids
+            lens = [r.context_len + 1 for r in reqs]
+            rows = torch.tensor([r.query_start for r in reqs], device=device)
+            meta = torch.tensor([[self.quantized_len(r.window, n, residual) for r, n in zip(reqs, lens, strict=True)],
+                                 lens, [r.window.slot for r in reqs], [0] * len(reqs)], device=device)
+            plan.decode_args[residual] = (rows, tables, meta)
+        return plan.decode_args[residual]
+
+    def _attend_native(self, layer_idx: int, layout, residual: int, q: torch.Tensor,
+                       dense: dict[int, tuple[int, torch.Tensor, torch.Tensor]], out: torch.Tensor) -> None:
+        """Every decode row in one kernel call over the rings; each prefill chunk in one call over
+        its exact K/V [lo, hi) (a chunk longer than the ring has overwritten rows it still needs)."""
+        device = q.device
+        if self._step_plan().decodes:
+            rows, tables, meta = self._decode_args(residual)
+            first, n = int(rows[0]), len(rows)
+            if int(rows[-1]) - first == n - 1:  # the runner puts decodes first, in order: views
+                self._kernel(layout, out[first:first + n], q[first:first + n], self._ring(layer_idx), tables, meta)
+            else:
+                result = torch.empty(n, *q.shape[1:], dtype=q.dtype, device=device)
+                self._kernel(layout, result, q.index_select(0, rows), self._ring(layer_idx), tables, meta)
+                out.index_copy_(0, rows, result)
+        for i, r in enumerate(self.requests):
+            if r.query_len == 1:
+                continue
+            lo, dk, dv = dense[i]
+            span = slice(r.query_start, r.query_start + r.query_len)
+            ns = range(r.context_len + 1, r.context_len + r.query_len + 1)
+            meta = torch.tensor([[self.quantized_len(r.window, n, residual) for n in ns], list(ns),
+                                 [0] * len(ns), [lo] * len(ns)], device=device)
+            tables = r.block_ids.unsqueeze(0).expand(len(ns), -1).contiguous()
+            self._kernel(layout, out[span], q[span], torch.stack([dk, dv]).unsqueeze(1), tables, meta)
+
+    def _kernel(self, layout, out: torch.Tensor, q: torch.Tensor, ring: torch.Tensor, tables: torch.Tensor,
+                meta: torch.Tensor) -> None:
+        """meta [4, rows]: quantized lengths, seq lengths, ring slots, ring bases."""
+        assert self.kernels is not None
+        self.kernels.kivi_attention(out, q, layout.k, layout.v, layout.k_scales, layout.k_zeros, layout.v_scales,
+                                    layout.v_zeros, ring, tables, *meta, self.scale)
 
     def _attend(self, layer_idx: int, codec: WindowedCodec, residual: int, r: KiviRequest, q: torch.Tensor, lo: int,
                 dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
@@ -120,9 +232,15 @@ class KiviAttention:
         return out
 
 
+@functools.cache
+def _log_path(native: bool) -> None:
+    logger.info("KIVI attention: %s", "native kernel (kivi_attention, blocks read in place)" if native else
+                "plain-torch reference path (blocks dequantized per step)")
+
+
 def build_kivi_attention(cache: PagedKVCache, arena: WindowArena, order, query_starts: list[int],
-                         query_lens: list[int], block_ids, scale: float,
-                         rows: dict[int, int] | None = None) -> KiviAttention:
+                         query_lens: list[int], block_ids, scale: float, rows: dict[int, int] | None = None,
+                         kernels: ModuleType | None = None) -> KiviAttention:
     """One step's KiviAttention; `block_ids(state)` lists a request's blocks."""
     requests = []
     for state, start, n in zip(order, query_starts, query_lens, strict=True):
@@ -130,4 +248,4 @@ def build_kivi_attention(cache: PagedKVCache, arena: WindowArena, order, query_s
         num_blocks = -(-(ctx + n) // cache.block_size)
         ids = torch.tensor(block_ids(state)[:num_blocks], dtype=torch.long, device=arena.ring.device)
         requests.append(KiviRequest(start, n, ctx, ids, arena.acquire(state.request_id, ctx)))
-    return KiviAttention(cache, arena, requests, scale, rows=rows)
+    return KiviAttention(cache, arena, requests, scale, rows=rows, kernels=kernels)

@@ -140,7 +140,8 @@ class ModelRunner:
         every_layer = len(self.window_layers) == len(self.codecs)
         rows = None if every_layer else {layer: row for row, layer in enumerate(self.window_layers)}
         windowed = build_kivi_attention(self.kv_cache, self.windows, batch.order, batch.query_starts,
-                                        batch.query_lens, lambda state: table.block_ids(state.row), scale, rows)
+                                        batch.query_lens, lambda state: table.block_ids(state.row), scale, rows,
+                                        self.kernels)
         if every_layer:
             return windowed
         paged = PagedAttention(self.kv_cache, batch.attn, scale, self.config.dtype, self.kernels)

@@ -1,0 +1,211 @@
+// threefold-exports: kivi_attention
+//
+// kivi_attention -- attention over a KIVI cache read in place: each query row attends over
+// its quantized positions [0, nq) straight from the packed blocks and over the exact positions
+// [nq, len) from a full-precision window, with no dequantized copy of any context.
+//
+//   out[r, h] = softmax_t(scale * q[r, h] . K^[t, h / Gq]) @ V^[t, h / Gq],   t < seq_len[r]
+//   t <  nq[r]: K^/V^ decoded from block table[r, t / bs] (2 or 4 bits, kv/codecs/kivi.py)
+//   t >= nq[r]: exact rows ring[0|1, slot[r], (t - base[r]) mod size]
+//
+// The quantized side (G = key group, VG = value group, b = bits, p = 8 / b parts per byte):
+//   codes     [N, bs, kvh, d / p]   byte i holds code[i + j * d / p] << (j * b), j < p
+//   k_scales  [N, bs / G, kvh, d]   fp16 (k_zeros alike): per (key group, channel)
+//   v_scales  [N, bs, kvh, d / VG]  fp16 (v_zeros alike): per (token, channel group)
+// Keys: the per-channel scale is folded into q once per key group, qs = q * s, qz = q . z,
+// so a key's score is qs . codes + qz (exact algebra; fp32 rounding only). Values: each row
+// is dequantized once in registers and shared by the Gq query heads of its kv head.
+//
+// Work item = (row, kv head), split over threads by keys read (decode_attention.h). A decode
+// row reads the request's ring; the rows of a prefill chunk share one block table and read
+// the chunk's exact K/V (base = its first exact position, size = its length).
+
+#include "decode_attention.h"
+
+namespace {
+
+using Half = at::Half;
+
+struct KiviArgs {
+  int64_t rows, num_heads, head_dim, block_size, num_kv_heads, group, table_width;
+  int64_t key_group, value_groups, ring_slots, ring_size;
+  const uint8_t* k_codes;
+  const uint8_t* v_codes;
+  const Half* k_scales;
+  const Half* k_zeros;
+  const Half* v_scales;
+  const Half* v_zeros;
+  const int64_t* tables;
+  const int64_t* quant_lens;
+  const int64_t* lens;
+  const int64_t* slots;
+  const int64_t* bases;
+  float fscale;
+};
+
+// Codes of one packed row -> fp32 in channel order (contiguous parts: vector shifts).
+template <int B, int D>
+inline void unpack(const uint8_t* __restrict c, float* __restrict dst, int64_t d) {
+  constexpr int P = 8 / B, mask = (1 << B) - 1;
+  const int64_t part = (D > 0 ? D : d) / P;
+  for (int j = 0; j < P; ++j) {
+    float* out = dst + j * part;
+    for (int64_t i = 0; i < part; ++i) out[i] = static_cast<float>((c[i] >> (j * B)) & mask);
+  }
+}
+
+template <int B, int D, typename T>
+void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring, const KiviArgs& a) {
+  const T* q_ptr = q.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+  const T* ring_ptr = ring.data_ptr<T>();
+  const int64_t q_row = q.stride(0), q_head = q.stride(1), o_row = out.stride(0), o_head = out.stride(1);
+  const int64_t d = a.head_dim, kvh_n = a.num_kv_heads, width = d * B / 8, vg = d / a.value_groups;
+  const int64_t ring_side = a.ring_slots * a.ring_size * kvh_n * d;  // K half of the ring, then V
+  const std::vector<int64_t> bounds = split_by_cost(a.lens, a.rows, kvh_n, 0, 16);
+  const int64_t num_parts = static_cast<int64_t>(bounds.size()) - 1;
+
+  at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    const int64_t gd = a.group * d;
+    std::vector<float> qf(gd), qs(gd), qz(a.group), acc(gd), row(d), meta(2 * d), scores;
+    for (int64_t item = bounds[part_begin]; item < bounds[part_end]; ++item) {
+      const int64_t r = item / kvh_n, kvh = item % kvh_n;
+      const int64_t len = a.lens[r], nq = std::min(a.quant_lens[r], len);
+      const int64_t* table = a.tables + r * a.table_width;
+      const T* exact = ring_ptr + a.slots[r] * a.ring_size * kvh_n * d + kvh * d;
+      auto exact_row = [&](int64_t pos) {  // offset of position pos's exact row (K side)
+        int64_t i = (pos - a.bases[r]) % a.ring_size;
+        return (i < 0 ? i + a.ring_size : i) * kvh_n * d;
+      };
+      for (int64_t g = 0; g < a.group; ++g) {
+        const T* src = q_ptr + r * q_row + (kvh * a.group + g) * q_head;
+        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(src[i]) * a.fscale;
+      }
+      scores.assign(a.group * len, 0.f);
+      // Pass 1a: quantized keys, one key group at a time (its scale folded into q).
+      for (int64_t pos = 0; pos < nq;) {
+        const int64_t blk = table[pos / a.block_size], off = pos % a.block_size;
+        const int64_t group_end = std::min(nq, pos - off % a.key_group + a.key_group);
+        const int64_t m = ((blk * (a.block_size / a.key_group) + off / a.key_group) * kvh_n + kvh) * d;
+        for (int64_t i = 0; i < d; ++i) meta[i] = static_cast<float>(a.k_scales[m + i]);
+        for (int64_t i = 0; i < d; ++i) meta[d + i] = static_cast<float>(a.k_zeros[m + i]);
+        for (int64_t g = 0; g < a.group; ++g) {
+          for (int64_t i = 0; i < d; ++i) qs[g * d + i] = qf[g * d + i] * meta[i];
+          qz[g] = dot<D>(qf.data() + g * d, meta.data() + d, d);
+        }
+        const uint8_t* codes = a.k_codes + ((blk * a.block_size + off) * kvh_n + kvh) * width;
+        for (; pos < group_end; ++pos, codes += kvh_n * width) {
+          unpack<B, D>(codes, row.data(), d);
+          for (int64_t g = 0; g < a.group; ++g) scores[g * len + pos] = dot<D>(qs.data() + g * d, row.data(), d) + qz[g];
+        }
+      }
+      // Pass 1b: exact keys from the window.
+      for (int64_t pos = nq; pos < len; ++pos) {
+        widen<D>(exact + exact_row(pos), row.data(), d);
+        for (int64_t g = 0; g < a.group; ++g) scores[g * len + pos] = dot<D>(qf.data() + g * d, row.data(), d);
+      }
+      std::vector<float> inv_sum(a.group);
+      for (int64_t g = 0; g < a.group; ++g) {
+        float* s = scores.data() + g * len;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, s[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) s[t] = std::exp(s[t] - mx);
+        for (int64_t t = 0; t < len; ++t) sum += s[t];
+        inv_sum[g] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      // Pass 2a: quantized values, each row dequantized once for the Gq heads.
+      for (int64_t pos = 0; pos < nq; ++pos) {
+        const int64_t blk = table[pos / a.block_size], off = pos % a.block_size;
+        const int64_t index = (blk * a.block_size + off) * kvh_n + kvh;
+        unpack<B, D>(a.v_codes + index * width, row.data(), d);
+        const Half* vs = a.v_scales + index * a.value_groups;
+        const Half* vz = a.v_zeros + index * a.value_groups;
+        for (int64_t c = 0; c < a.value_groups; ++c) {
+          const float sc = static_cast<float>(vs[c]), zz = static_cast<float>(vz[c]);
+          float* chunk = row.data() + c * vg;
+          for (int64_t j = 0; j < vg; ++j) chunk[j] = chunk[j] * sc + zz;
+        }
+        for (int64_t g = 0; g < a.group; ++g) axpy<D>(scores[g * len + pos], row.data(), acc.data() + g * d, d);
+      }
+      // Pass 2b: exact values.
+      for (int64_t pos = nq; pos < len; ++pos) {
+        widen<D>(exact + ring_side + exact_row(pos), row.data(), d);
+        for (int64_t g = 0; g < a.group; ++g) axpy<D>(scores[g * len + pos], row.data(), acc.data() + g * d, d);
+      }
+      for (int64_t g = 0; g < a.group; ++g) {
+        T* dst = out_ptr + r * o_row + (kvh * a.group + g) * o_head;
+        for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[g * d + i] * inv_sum[g]);
+      }
+    }
+  });
+}
+
+template <int B, typename T>
+void dispatch_dim(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring, const KiviArgs& a) {
+  switch (a.head_dim) {
+    case 64: return kivi_run<B, 64, T>(out, q, ring, a);
+    case 128: return kivi_run<B, 128, T>(out, q, ring, a);
+    default: return kivi_run<B, 0, T>(out, q, ring, a);
+  }
+}
+
+template <typename T>
+void dispatch_bits(int64_t bits, const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring,
+                   const KiviArgs& a) {
+  if (bits == 2) return dispatch_dim<2, T>(out, q, ring, a);
+  dispatch_dim<4, T>(out, q, ring, a);
+}
+
+bool same_long(const at::Tensor& t, int64_t n) {
+  return t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 1 && t.size(0) == n;
+}
+
+}  // namespace
+
+// out, q: [R, H, d] (float32 or bfloat16, head_dim contiguous); k/v codes, scales, zeros as
+// above (contiguous); ring: [2, S, size, kvh, d] contiguous, q's dtype; block_tables [R, width],
+// quant_lens, seq_lens (>= 1), slots, bases: [R] int64.
+void kivi_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at::Tensor v_codes, at::Tensor k_scales, at::Tensor k_zeros, at::Tensor v_scales, at::Tensor v_zeros, at::Tensor ring, at::Tensor block_tables, at::Tensor quant_lens, at::Tensor seq_lens, at::Tensor slots, at::Tensor bases, double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.stride(2) == 1 && out.stride(2) == 1,
+              "q and out must be [R, H, d] of one shape, head_dim contiguous");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type() && q.scalar_type() == ring.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "q, out and ring must share a dtype, float32 or bfloat16");
+  const int64_t rows = q.size(0), d = q.size(2);
+  TORCH_CHECK(k_codes.dim() == 4 && k_codes.sizes() == v_codes.sizes() && k_codes.is_contiguous() &&
+                  v_codes.is_contiguous() && k_codes.scalar_type() == at::kByte,
+              "codes must be contiguous uint8 [N, bs, kvh, width]");
+  const int64_t width = k_codes.size(3), kvh = k_codes.size(2), bs = k_codes.size(1);
+  TORCH_CHECK(width * 8 == 2 * d || width * 8 == 4 * d, "codes must hold 2 or 4 bits per channel");
+  TORCH_CHECK(k_scales.dim() == 4 && k_scales.sizes() == k_zeros.sizes() && k_scales.is_contiguous() &&
+                  k_zeros.is_contiguous() && k_scales.scalar_type() == at::kHalf &&
+                  k_zeros.scalar_type() == at::kHalf && k_scales.size(0) == k_codes.size(0) &&
+                  k_scales.size(1) > 0 && bs % k_scales.size(1) == 0 && k_scales.size(2) == kvh &&
+                  k_scales.size(3) == d,
+              "key scales/zeros must be contiguous fp16 [N, bs / G, kvh, d]");
+  TORCH_CHECK(v_scales.dim() == 4 && v_scales.sizes() == v_zeros.sizes() && v_scales.is_contiguous() &&
+                  v_zeros.is_contiguous() && v_scales.scalar_type() == at::kHalf &&
+                  v_zeros.scalar_type() == at::kHalf && v_scales.size(0) == k_codes.size(0) &&
+                  v_scales.size(1) == bs && v_scales.size(2) == kvh && v_scales.size(3) > 0 &&
+                  d % v_scales.size(3) == 0,
+              "value scales/zeros must be contiguous fp16 [N, bs, kvh, d / G]");
+  TORCH_CHECK(ring.dim() == 5 && ring.size(0) == 2 && ring.size(3) == kvh && ring.size(4) == d && ring.is_contiguous(),
+              "ring must be contiguous [2, slots, size, kvh, d]");
+  TORCH_CHECK(q.size(1) % kvh == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                  block_tables.size(0) == rows && same_long(quant_lens, rows) && same_long(seq_lens, rows) &&
+                  same_long(slots, rows) && same_long(bases, rows),
+              "block_tables [R, width] and quant_lens, seq_lens, slots, bases [R] must be contiguous int64");
+  const KiviArgs a{rows, q.size(1), d, bs, kvh, q.size(1) / kvh, block_tables.size(1),
+                   bs / k_scales.size(1), v_scales.size(3), ring.size(1), ring.size(2),
+                   k_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(),
+                   k_scales.data_ptr<Half>(), k_zeros.data_ptr<Half>(), v_scales.data_ptr<Half>(),
+                   v_zeros.data_ptr<Half>(), block_tables.data_ptr<int64_t>(), quant_lens.data_ptr<int64_t>(),
+                   seq_lens.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), bases.data_ptr<int64_t>(),
+                   static_cast<float>(scale)};
+  const int64_t bits = width * 8 / d;
+  if (q.scalar_type() == at::kBFloat16) return dispatch_bits<at::BFloat16>(bits, out, q, ring, a);
+  dispatch_bits<float>(bits, out, q, ring, a);
+}
