@@ -218,8 +218,11 @@ class KVOffload:
         for (_, block_hash), payload in zip(blocks, payloads, strict=True):
             self.store.hold(block_hash, payload)
 
-    def load(self, blocks: list[tuple[int, bytes]]) -> None:
-        """Fill this step's loads' pool blocks from the committed payloads (before the forward)."""
+    def load(self, blocks: list[tuple[int, bytes]], step_runs: bool = True) -> None:
+        """Fill this step's loads' pool blocks from the committed payloads (before the forward, which
+        runs if `step_runs`: then the store's writer keeps to its CPU share until it ends)."""
+        if step_runs:
+            self.store.engine_step(running=True)
         if blocks:
             start = time.perf_counter()
             self.codec.decode([b for b, _ in blocks], [self.to_copy[h] for _, h in blocks])
@@ -240,6 +243,7 @@ class KVOffload:
         self.store_seconds += time.perf_counter() - start
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.store.engine_step(running=False)
         if self.cost is None:
             self.cost = StepCostModel({num_tokens: seconds})
         else:
