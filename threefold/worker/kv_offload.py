@@ -13,8 +13,9 @@ When blocks are stored: write-through, as each full block is published (after th
 it), not on eviction. Persistence across restarts (L3) and sharing across instances (L4) need the data
 below L1 while its owner is still alive; a demote-on-evict store would lose every block of a crashed
 or restarted engine, and another instance could not see a prefix until the first evicted it. The
-cost is one device-to-host copy per new block (one batched gather per step) and an async write;
-the store dedupes blocks it already holds.
+cost is one device-to-host copy per new block (one batched gather per step) and an async write,
+which the store's writer keeps to 1% of wall time in CPU while steps run (the rest waits for idle
+time, or is dropped and counted when its queue is full); the store dedupes blocks it already holds.
 
 Load or recompute, per request: loading block i costs its bytes over its tier's measured bandwidth
 plus our own copy into the pool; recomputing the prefix costs the step-cost model's time for those
