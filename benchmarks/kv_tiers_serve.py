@@ -152,6 +152,11 @@ def session_modes(bench: Bench) -> list[tuple[str, list[str]]]:
 
 def run_sessions_part(bench: Bench) -> None:
     ns = bench.ns
+    if "vllm" in ns.modes:  # first: its server compiles for minutes, and a job cut short keeps its row
+        spec, port = bench.vllm()
+        with bench.start(spec, port) as server:
+            bench.rows.setdefault("sessions", []).append(bench.play(server, "sessions_vllm", ns.turns,
+                                                                    ns.concurrency))
     for label, template in session_modes(bench):
         if label not in ns.modes:
             continue
@@ -162,10 +167,6 @@ def run_sessions_part(bench: Bench) -> None:
         with bench.start(spec, port) as server:
             bench.rows.setdefault("sessions", []).append(bench.play(server, f"sessions_{spec.label}", ns.turns,
                                                                     ns.concurrency))
-    if "vllm" in ns.modes:
-        spec, port = bench.vllm()
-        with bench.start(spec, port) as server:
-            bench.rows["sessions"].append(bench.play(server, "sessions_vllm", ns.turns, ns.concurrency))
 
 
 def run_restart_part(bench: Bench) -> None:

@@ -18,7 +18,7 @@ from threefold.kvstore.config import parse_bytes
 from threefold.kvstore.disk import DiskTier
 from threefold.kvstore.frame import OVERHEAD, FrameError, decode, encode
 from threefold.kvstore.memory import MemoryTier
-from threefold.kvstore.tier import Backoff
+from threefold.kvstore.tier import Backoff, Tier
 
 from kvstore_helpers import NS, block, make_store
 
@@ -202,6 +202,7 @@ def test_disk_round_trip_lru_and_restart(tmp_path):
         record_bytes = encode(blocks[3][1], NS.digest, NS.format_version)
         assert store.tiers[0].path_of(NS.key(hashes[3])).read_bytes() == record_bytes  # writev: the whole record
         assert store.stats().writer_cpu_seconds > 0
+        assert store.tiers[0].direct  # ext4: written past the page cache (O_DIRECT), yet the same bytes
     with make_store(disk_dir=str(tmp_path), disk_bytes=3 * record) as restarted:
         assert restarted.check_integrity() == []
         assert restarted.get(hashes[3]) == ("disk", blocks[3][1])
@@ -376,6 +377,56 @@ def test_a_full_writer_queue_drops_and_counts(tmp_path):
         store.put(*block(0, 4096))
         store.flush()
         assert store.stats().dropped_writes == 1 and not list(tmp_path.rglob("*.kv"))
+
+
+class SlowTier(Tier):
+    """A tier below L2 whose writes burn `cpu_s` of CPU each (what a disk or Redis write costs the writer)."""
+
+    name = "slow"
+
+    def __init__(self, cpu_s: float) -> None:
+        self.cpu_s = cpu_s
+        self.held: dict[bytes, bytes] = {}
+
+    def get(self, key: bytes) -> bytes | None:
+        return self.held.get(key)
+
+    def put(self, key: bytes, value: bytes) -> bool:
+        start = time.thread_time()
+        while time.thread_time() - start < self.cpu_s:
+            pass
+        self.held[key] = value
+        return True
+
+    def delete(self, key: bytes) -> None:
+        self.held.pop(key, None)
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        return [key in self.held for key in keys]
+
+    capacity_bytes = used_bytes = None
+
+
+def test_the_writer_keeps_to_its_cpu_share_while_steps_run_and_drains_when_idle():
+    tier = SlowTier(cpu_s=0.005)
+    with TieredKVStore(OffloadConfig(), NS, tiers=[tier], writer_cpu_share=0.05) as store:
+        store.engine_step(running=True)  # a long step: the writer may spend 5% of its wall time
+        for i in range(200):
+            store.put(*block(i, 64))
+        time.sleep(1.0)
+        busy = store.stats()
+        # 1 s at 5% plus the 50 ms burst: ~20 writes of 5 ms, not the 200 an unthrottled writer does
+        assert busy.writer_cpu_seconds < 0.05 + 0.05 + 0.05 and busy.pending_writes > 150
+        store.engine_step(running=False)  # idle from IDLE_AFTER_S on: unthrottled
+        assert store.flush(10) and len(tier.held) == 200
+    with TieredKVStore(OffloadConfig(), NS, tiers=[SlowTier(0.06)], writer_cpu_share=0.0) as store:
+        store.engine_step(running=True)
+        store.put(*block(0, 64))
+        store.put(*block(1, 64))
+        assert not store.flush(0.3)  # share 0: the burst's one write, then none while the step runs
+        assert store.stats().pending_writes == 1
+        store.engine_step(running=False)
+        assert store.flush(5)
 
 
 # ---- metrics ---------------------------------------------------------------------------

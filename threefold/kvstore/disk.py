@@ -2,8 +2,15 @@
 
     DIR/<namespace digest hex>/<first 2 hex of block hash>/<block hash hex>.kv
 
-Each file is written to a temporary name, fsynced and renamed over its final name, so a reader sees a
-whole block or none (the frame's checksum still catches what the disk itself garbles). The LRU index
+Each file is written to a temporary name and renamed over its final name, so a reader sees a whole
+block or none (the frame's checksum still catches what the disk itself garbles). The write bypasses
+the page cache (O_DIRECT, from one reused page-aligned buffer) where the filesystem allows it: on this
+VM a buffered 720 KiB block costs the writer 4-9 ms of CPU (page-cache pages allocated and copied
+into, then written back by the kernel), a direct write 0.4-0.5 ms, and every CPU-second the writer
+spends is taken from the engine's compute threads. A direct write returns when the device has the
+data, so no fsync: the data is on the device before the rename makes it visible; a power cut may
+still lose the newest blocks or leave one the checksum rejects, which a cache recomputes. Where
+O_DIRECT is refused (tmpfs), the write is buffered and fsynced before the rename. The LRU index
 lives in memory and is rebuilt from the directory at startup, ordered by modification time (a read
 touches the file), so a restarted engine finds its blocks and keeps evicting the coldest.
 """
@@ -13,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import mmap
 import os
 import threading
 import uuid
@@ -26,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 SUFFIX = ".kv"
 TMP_PREFIX = ".tmp-"
+DIRECT_ALIGN = 4096
+"""O_DIRECT's unit for buffer address, length and file offset (any disk's logical block divides it)."""
 
 
 def _write_fault(exc: OSError) -> TierFault:
@@ -47,6 +57,10 @@ class DiskTier(Tier):
         self._lock = threading.Lock()
         self._backoff = backoff or Backoff()
         self._opened = False
+        self.direct = hasattr(os, "O_DIRECT")
+        """Whether writes bypass the page cache; False after the filesystem refused it once."""
+        self._direct_buffer = mmap.mmap(-1, DIRECT_ALIGN)  # page-aligned; grown to the largest record
+        self._write_lock = threading.Lock()  # one writer of the buffer at a time
         self.num_evicted = 0
         self._try_open(startup=True)
 
@@ -202,23 +216,44 @@ class DiskTier(Tier):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                views = [memoryview(part) for part in parts if part]
-                while views:  # writev: the parts as they are, no joined copy of the record
-                    written = os.writev(fd, views)
-                    while views and written >= len(views[0]):
-                        written -= len(views[0])
-                        views.pop(0)
-                    if views:
-                        views[0] = views[0][written:]
-                os.fsync(fd)  # the data reaches the disk before the name that points to it
-            finally:
-                os.close(fd)
+            with self._write_lock:
+                if not (self.direct and self._write_direct(tmp, parts)):
+                    _write_buffered(tmp, parts)
             os.replace(tmp, path)
         except OSError:
             tmp.unlink(missing_ok=True)
             raise
+
+    def _write_direct(self, tmp: Path, parts: tuple[bytes, ...]) -> bool:
+        """Write the record with O_DIRECT through the aligned buffer, padded to DIRECT_ALIGN, then cut
+        to its size; False (and never again) where the filesystem refuses O_DIRECT."""
+        size = sum(len(part) for part in parts)
+        padded = -(-size // DIRECT_ALIGN) * DIRECT_ALIGN
+        if len(self._direct_buffer) < padded:
+            self._direct_buffer.close()
+            self._direct_buffer = mmap.mmap(-1, padded)
+        buffer = memoryview(self._direct_buffer)
+        offset = 0
+        for part in parts:
+            buffer[offset: offset + len(part)] = part
+            offset += len(part)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+            try:
+                written = 0
+                while written < padded:  # a short write of a whole number of blocks continues aligned
+                    written += os.write(fd, buffer[written:padded])
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            tmp.unlink(missing_ok=True)  # (open may have worked and the write been refused)
+            logger.info("KV offload disk tier %s: no O_DIRECT here (%s); buffered, fsynced writes", self.root, exc)
+            self.direct = False
+            return False
+        return True
 
     def _make_room(self, num_bytes: int) -> None:
         while True:
@@ -235,6 +270,24 @@ class DiskTier(Tier):
             size = self._index.pop(key, None)
             if size is not None:
                 self._used -= size
+
+
+def _write_buffered(path: Path, parts: tuple[bytes, ...]) -> None:
+    """Write the parts as they are (writev: no joined copy), fsynced: the data reaches the disk before
+    the name that points to it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        views = [memoryview(part) for part in parts if part]
+        while views:
+            written = os.writev(fd, views)
+            while views and written >= len(views[0]):
+                written -= len(views[0])
+                views.pop(0)
+            if views:
+                views[0] = views[0][written:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _key_of(ns_hex: str, file_name: str) -> bytes | None:

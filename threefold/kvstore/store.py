@@ -9,6 +9,15 @@ Write-through, not demote-on-evict: every block put reaches L3 and L4 right away
 thread), so a restarted engine finds it on disk and another instance finds it in Redis without waiting
 for L2 to evict it. L2 evicting a block then just drops it: the copy below is already there.
 
+The writer keeps to a CPU budget while the engine is busy: on 2 cores every CPU-second it spends is
+taken from the engine's compute threads. While steps run it may spend `writer_cpu_share` of wall time
+(a token bucket, refilled at that rate, holding at most WRITER_BURST_S); once no step has run for
+IDLE_AFTER_S it writes unthrottled. What it cannot write waits in its queue (MAX_PENDING_BYTES) and
+beyond that is dropped and counted (`dropped_writes`), so under saturating traffic with no idle time
+the tiers below L2 hold a sample of the blocks, not all; any idle gap, `flush` and `close` (a
+graceful shutdown) write the queue out. Durability: a block is in L3/L4 once its queued write ran;
+what was queued at a crash is lost (recomputed if needed).
+
 Payloads are opaque bytes (the engine's encoded KV block); this package never imports torch. Keys are
 namespaced (keys.py), records framed and checksummed (frame.py); tier faults are counted, never raised.
 """
@@ -16,6 +25,7 @@ namespaced (keys.py), records framed and checksummed (frame.py); tier faults are
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -34,6 +44,12 @@ READ_CHUNK = 32
 """Blocks per batched read (a Redis MGET of SmolLM2's fp32 blocks: 23 MiB, one round trip instead of 32)."""
 MAX_PENDING_BYTES = 256 << 20
 """Bytes queued for the writer at most; beyond it a put is dropped and counted (an engine step never waits)."""
+WRITER_CPU_SHARE = 0.01
+"""The writer's CPU time as a share of wall time while the engine is busy (idle: unlimited)."""
+WRITER_BURST_S = 0.05
+"""CPU seconds of writes the writer may bank while within its share (a burst after a quiet stretch)."""
+IDLE_AFTER_S = 0.05
+"""The engine counts as idle once no step has run for this long."""
 
 
 def build_tiers(config: OffloadConfig) -> list[Tier]:
@@ -55,7 +71,7 @@ class TieredKVStore:
     and get from its thread while one writer thread fills the slower tiers."""
 
     def __init__(self, config: OffloadConfig, namespace: Namespace, tiers: list[Tier] | None = None,
-                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+                 max_pending_bytes: int = MAX_PENDING_BYTES, writer_cpu_share: float = WRITER_CPU_SHARE) -> None:
         self.config, self.namespace = config, namespace
         self.tiers = build_tiers(config) if tiers is None else tiers
         first = self.tiers[0] if self.tiers else None
@@ -69,6 +85,11 @@ class TieredKVStore:
         self._pending_bytes = 0
         self._cond = threading.Condition()
         self._closed = False
+        self.writer_cpu_share = writer_cpu_share
+        """CPU share of wall time the writer may spend while the engine is busy (1.0: no limit)."""
+        self._step_running = False
+        self._busy_at = -math.inf  # monotonic time the engine last started or ended a step
+        self._credit, self._refilled = WRITER_BURST_S, time.monotonic()
         self._writer = threading.Thread(target=self._write_loop, name="kv-offload-writer", daemon=True)
         self._writer.start()
 
@@ -89,6 +110,12 @@ class TieredKVStore:
             below = self.tiers[1:]
         if below:
             self._enqueue(key, payload, below)
+
+    def engine_step(self, running: bool) -> None:
+        """The engine starts (True) or ends (False) a step: while a step runs and until IDLE_AFTER_S
+        after the last one, the writer keeps to its CPU share."""
+        self._step_running = running
+        self._busy_at = time.monotonic()
 
     def lookup(self, block_hashes: list[bytes]) -> list[str]:
         """The tier holding each block of the longest stored prefix of `block_hashes`, stopping at the
@@ -294,6 +321,7 @@ class TieredKVStore:
                 if not self._queue:
                     return  # closed and drained
                 key, payload, targets = self._queue[0]
+            charged = self._wait_for_budget()
             cpu_start = time.thread_time()
             try:
                 record = encode_parts(payload, self.namespace.digest, self.namespace.format_version)
@@ -303,8 +331,27 @@ class TieredKVStore:
             except Exception:  # a bug must not kill the writer: flush() would then wait forever
                 logger.exception("KV offload writer: unexpected error; block not offloaded")
                 self._book.fault(targets[0].name, "internal")
-            self._book.writer_busy(time.thread_time() - cpu_start)
+            spent = time.thread_time() - cpu_start
+            self._book.writer_busy(spent)
+            if charged:
+                self._credit -= spent
             with self._cond:
                 self._queue.popleft()  # only now: flush() waits for the write, not just the dequeue
                 self._pending_bytes -= len(payload)
                 self._cond.notify_all()
+
+    def _wait_for_budget(self) -> bool:
+        """Wait until the writer may write: at once while the engine is idle or the store closing (the
+        write is then not charged: False), else once the bucket holds credit (True: charge it)."""
+        while True:
+            now = time.monotonic()
+            self._credit = min(WRITER_BURST_S, self._credit + (now - self._refilled) * self.writer_cpu_share)
+            self._refilled = now
+            idle = not self._step_running and now - self._busy_at >= IDLE_AFTER_S
+            if self._closed or idle or self.writer_cpu_share >= 1.0:
+                return False
+            if self._credit > 0:
+                return True
+            wait = -self._credit / self.writer_cpu_share if self.writer_cpu_share > 0 else math.inf
+            with self._cond:  # woken early by close(); idleness is noticed within IDLE_AFTER_S
+                self._cond.wait(min(wait, IDLE_AFTER_S))

@@ -13,8 +13,9 @@ When blocks are stored: write-through, as each full block is published (after th
 it), not on eviction. Persistence across restarts (L3) and sharing across instances (L4) need the data
 below L1 while its owner is still alive; a demote-on-evict store would lose every block of a crashed
 or restarted engine, and another instance could not see a prefix until the first evicted it. The
-cost is one device-to-host copy per new block (one batched gather per step) and an async write;
-the store dedupes blocks it already holds.
+cost is one device-to-host copy per new block (one batched gather per step) and an async write,
+which the store's writer keeps to 1% of wall time in CPU while steps run (the rest waits for idle
+time, or is dropped and counted when its queue is full); the store dedupes blocks it already holds.
 
 Load or recompute, per request: loading block i costs its bytes over its tier's measured bandwidth
 plus our own copy into the pool; recomputing the prefix costs the step-cost model's time for those
@@ -218,8 +219,11 @@ class KVOffload:
         for (_, block_hash), payload in zip(blocks, payloads, strict=True):
             self.store.hold(block_hash, payload)
 
-    def load(self, blocks: list[tuple[int, bytes]]) -> None:
-        """Fill this step's loads' pool blocks from the committed payloads (before the forward)."""
+    def load(self, blocks: list[tuple[int, bytes]], step_runs: bool = True) -> None:
+        """Fill this step's loads' pool blocks from the committed payloads (before the forward, which
+        runs if `step_runs`: then the store's writer keeps to its CPU share until it ends)."""
+        if step_runs:
+            self.store.engine_step(running=True)
         if blocks:
             start = time.perf_counter()
             self.codec.decode([b for b, _ in blocks], [self.to_copy[h] for _, h in blocks])
@@ -240,6 +244,7 @@ class KVOffload:
         self.store_seconds += time.perf_counter() - start
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.store.engine_step(running=False)
         if self.cost is None:
             self.cost = StepCostModel({num_tokens: seconds})
         else:

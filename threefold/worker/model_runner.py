@@ -102,7 +102,7 @@ class ModelRunner:
             # Swap-outs first (a preempted request's freed blocks may be reused this step), then External
             # KV loads into the pool before the forward reads them; even in a step that computes nothing.
             self.offload.swap_out(sched.blocks_to_swap_out)
-            self.offload.load(sched.blocks_to_load)
+            self.offload.load(sched.blocks_to_load, step_runs=not sched.is_empty)
         if sched.is_empty:
             return ModelRunnerOutput({})
         states = [self.requests.states[rid] for rid in sched.num_scheduled_tokens]
