@@ -354,7 +354,7 @@ def test_random_traffic_against_the_writer_thread_never_serves_wrong_bytes(tmp_p
                 tiers = store.lookup(rng.sample(hashes, 3))
                 assert set(tiers) <= {"cpu", "disk"}
             else:
-                store.flush(10)  # now and then let the writer (fsync per block) catch up, so L3 holds blocks
+                store.flush(10)  # now and then let the writer (one direct write per block) catch up, so L3 holds blocks
         assert store.flush(10)
         assert store.check_integrity() == []
         stats = store.stats().tiers
