@@ -61,23 +61,27 @@ def bootstrap_ci(ratios: list[float], seed: int, rounds: int = 4000) -> tuple[fl
     return medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]
 
 
-def offload_cpu(llm: LLM) -> float:
-    """The offload's own CPU seconds so far: engine-thread write-through + writer thread."""
+def offload_cpu(llm: LLM) -> tuple[float, float]:
+    """The offload's own CPU seconds so far: (engine-thread write-through, writer thread)."""
     offload = llm.engine.core.offload
-    return 0.0 if offload is None else offload.store_seconds + offload.store.stats().writer_cpu_seconds
+    return (0.0, 0.0) if offload is None else (offload.store_seconds, offload.store.stats().writer_cpu_seconds)
 
 
 def run_once(llm: LLM, prompts: list[dict], params: SamplingParams) -> dict[str, float]:
     """Seconds to the last token ("gen") and until the last block is written ("drained"), and the
-    offload's CPU seconds during the generation ("cpu_gen") and in all ("cpu")."""
+    offload's CPU seconds during the generation (engine thread "engine_gen", writer "writer_gen") and in all
+    ("cpu")."""
     offload = llm.engine.core.offload
-    before = offload_cpu(llm)
+    engine_before, writer_before = offload_cpu(llm)
     start = time.perf_counter()
     llm.generate(prompts, params)
-    gen, cpu_gen = time.perf_counter() - start, offload_cpu(llm) - before
+    gen = time.perf_counter() - start
+    engine_gen, writer_gen = offload_cpu(llm)
     if offload is not None:
         offload.store.flush(60)  # none of this run's writes spills into the next run
-    return {"gen": gen, "drained": time.perf_counter() - start, "cpu_gen": cpu_gen, "cpu": offload_cpu(llm) - before}
+    engine_all, writer_all = offload_cpu(llm)
+    return {"gen": gen, "drained": time.perf_counter() - start, "engine_gen": engine_gen - engine_before,
+            "writer_gen": writer_gen - writer_before, "cpu": engine_all + writer_all - engine_before - writer_before}
 
 
 def main() -> None:
@@ -132,8 +136,9 @@ def report(ns: argparse.Namespace, runs: dict[str, list[dict[str, float]]], drop
         print(f"overhead {name}: median on/off {100 * (statistics.median(ratios) - 1):+.2f}%  "
               f"95% CI [{100 * (low - 1):+.2f}%, {100 * (high - 1):+.2f}%] (bootstrap over pairs)")
     gen_wall = sum(r["gen"] for r in on)
-    print(f"offload CPU (engine thread + writer thread) while generating: "
-          f"{100 * sum(r['cpu_gen'] for r in on) / gen_wall:.2f}% of the 'on' runs' time to the last token; "
+    engine, writer = (100 * sum(r[key] for r in on) / gen_wall for key in ("engine_gen", "writer_gen"))
+    print(f"offload CPU while generating: {engine + writer:.2f}% of the 'on' runs' time to the last token "
+          f"(engine thread {engine:.2f}%, writer thread {writer:.2f}%); "
           f"in all (idle drain included): {100 * sum(r['cpu'] for r in on) / gen_wall:.2f}%")
     print(f"writes dropped (writer queue full): {dropped}")
     print(f"load average (1, 5, 15 min): before {', '.join(f'{x:.2f}' for x in load_before)}; "

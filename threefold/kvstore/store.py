@@ -7,7 +7,9 @@
 
 Write-through, not demote-on-evict: every block put reaches L3 and L4 right away (off the engine's
 thread), so a restarted engine finds it on disk and another instance finds it in Redis without waiting
-for L2 to evict it. L2 evicting a block then just drops it: the copy below is already there.
+for L2 to evict it. L2 evicting a block then just drops it: the copy below is already there, or still
+in the writer's queue: a queued block is read from there (a write buffer), counted as a hit of the tier
+it is queued for, so a block L2 dropped before the writer reached it is not lost to this process.
 
 The writer keeps to a CPU budget while the engine is busy: on 2 cores every CPU-second it spends is
 taken from the engine's compute threads. While steps run it may spend `writer_cpu_share` of wall time
@@ -46,8 +48,10 @@ MAX_PENDING_BYTES = 256 << 20
 """Bytes queued for the writer at most; beyond it a put is dropped and counted (an engine step never waits)."""
 WRITER_CPU_SHARE = 0.01
 """The writer's CPU time as a share of wall time while the engine is busy (idle: unlimited)."""
-WRITER_BURST_S = 0.05
-"""CPU seconds of writes the writer may bank while within its share (a burst after a quiet stretch)."""
+WRITER_BURST_S = 0.01
+"""CPU seconds of writes the writer may bank while within its share (a burst after a quiet stretch): about
+ten O_DIRECT disk blocks. Small on purpose: the bank is full whenever a busy stretch starts after an idle
+one, and on 2 cores a 50 ms burst alone was 2.5% of a 2-second burst of traffic."""
 IDLE_AFTER_S = 0.05
 """The engine counts as idle once no step has run for this long."""
 
@@ -82,6 +86,8 @@ class TieredKVStore:
         self.read_chunk = READ_CHUNK
         """Blocks per batched read (1 reads block by block: what a benchmark compares against)."""
         self._queue: deque[tuple[bytes, bytes, list[Tier]]] = deque()
+        self._queued: dict[bytes, tuple[bytes, set[str], int]] = {}
+        """key -> (payload, the tiers it is queued for, times queued): the queue as a write buffer."""
         self._pending_bytes = 0
         self._cond = threading.Condition()
         self._closed = False
@@ -135,6 +141,9 @@ class TieredKVStore:
             for i, hit in zip(todo, present, strict=True):
                 if hit:
                     found[i] = tier.name
+        for i, name in enumerate(found):
+            if name is None:
+                found[i] = self._queued_for(keys[i])
         prefix = []
         for name in found:
             if name is None:
@@ -243,6 +252,8 @@ class TieredKVStore:
                 break
             start = time.perf_counter()
             payloads = self._get_many(tier, [keys[i] for i in todo])
+            payloads = [self._queued_payload(keys[i], tier.name) if payload is None else payload
+                        for i, payload in zip(todo, payloads, strict=True)]
             hits = [(i, payload) for i, payload in zip(todo, payloads, strict=True) if payload is not None]
             if hits:
                 self._book.hit(tier.name, sum(len(p) for _, p in hits), time.perf_counter() - start, len(hits))
@@ -311,8 +322,24 @@ class TieredKVStore:
                 self._book.dropped()
                 return
             self._queue.append((key, payload, targets))
+            _, names, times = self._queued.get(key, (payload, set(), 0))
+            self._queued[key] = (payload, names | {tier.name for tier in targets}, times + 1)
             self._pending_bytes += len(payload)
             self._cond.notify_all()
+
+    def _queued_for(self, key: bytes) -> str | None:
+        """The first tier (in tier order) a queued block is waiting to be written to, or None."""
+        with self._cond:
+            entry = self._queued.get(key)
+        if entry is None:
+            return None
+        return next((tier.name for tier in self.tiers if tier.name in entry[1]), None)
+
+    def _queued_payload(self, key: bytes, tier: str) -> bytes | None:
+        """The payload of a block queued for `tier` and not yet written there, or None."""
+        with self._cond:
+            entry = self._queued.get(key)
+        return entry[0] if entry is not None and tier in entry[1] else None
 
     def _write_loop(self) -> None:
         while True:
@@ -338,6 +365,11 @@ class TieredKVStore:
             with self._cond:
                 self._queue.popleft()  # only now: flush() waits for the write, not just the dequeue
                 self._pending_bytes -= len(payload)
+                _, names, times = self._queued[key]
+                if times == 1:
+                    del self._queued[key]
+                else:
+                    self._queued[key] = (payload, names, times - 1)
                 self._cond.notify_all()
 
     def _wait_for_budget(self) -> bool:
