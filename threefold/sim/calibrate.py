@@ -6,7 +6,7 @@ prompt's attention over itself (the difference between the two); decode steps (D
 requests of context C) give the context price; prefill steps of P new tokens after a cached
 prefix of C tokens give the price of a chunk's attention over context it did not compute.
 Every prompt starts with its own tokens, so only the prefix points hit the prefix cache. Run it
-on an idle machine: `tfquiet taskset -c 0 threefold bench calibrate --out FILE`.
+on an idle machine, one pinned core: `taskset -c 0 threefold bench calibrate --out FILE`.
 """
 
 from __future__ import annotations
