@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import random
 
 import pytest
@@ -13,7 +14,7 @@ from threefold.errors import ThreefoldError
 from threefold.router.policies import policy_names
 from threefold.sim.block_pool import SimBlockPool
 from threefold.sim.delays import ACCEPT, ENGINE_TTFT, FIRST_TOKEN, Delays, Scrape, delays_between
-from threefold.sim.engine_model import EngineModel, StepPoint
+from threefold.sim.engine_model import EngineModel, StepPoint, attention_pairs
 from threefold.sim.instance import Instance, SimRequest
 from threefold.sim.simulator import Simulator, simulate
 from threefold.sim.sweep import effective_capacity, parse_seconds
@@ -74,6 +75,53 @@ def test_calibration_fit_and_round_trip(tmp_path):
     (tmp_path / "bad.json").write_text('{"per_context_s": 1}')
     with pytest.raises(ThreefoldError, match="not a threefold engine model"):
         EngineModel.load(tmp_path / "bad.json")
+
+
+def _prefill_truth(*chunks: int) -> float:
+    """A step's time when attention is quadratic: 10 ms + 3 ms per token + 1.5 us per attention pair."""
+    return 0.01 + 3e-3 * sum(chunks) + 1.5e-6 * sum(attention_pairs(c) for c in chunks)
+
+
+def test_calibration_past_1024_tokens_predicts_a_2k_prefill_and_split_steps(tmp_path):
+    single = [StepPoint(n, 0, 0, _prefill_truth(n)) for n in (16, 128, 512, 1024, 1536, 2048)]
+    split = [StepPoint(2 * n, 0, 0, _prefill_truth(n, n), 2) for n in (512, 1024)]
+    model = EngineModel.fit(single + split, block_size=16, num_blocks=100)
+    assert model.prefill_attention_s == pytest.approx(1.5e-6, rel=1e-6)
+    assert model.prefill_seconds(2000) == pytest.approx(_prefill_truth(2000), rel=1e-3)  # between grid points
+    assert model.step_seconds(1400, 0, 0, attention_pairs(700) * 2) == pytest.approx(_prefill_truth(700, 700),
+                                                                                     rel=1e-3)
+    assert model.prefill_seconds_per_token() == pytest.approx(_prefill_truth(2048) / 2048)
+    # The old grid (up to 1024, linear past it) under-predicts the 2k prefill by more than 10%.
+    old = EngineModel.fit(single[:4], block_size=16, num_blocks=100)
+    assert old.prefill_seconds(2000) < 0.9 * _prefill_truth(2000)
+    path = tmp_path / "engine.json"
+    model.save(path)
+    again = EngineModel.load(path)
+    assert again.to_dict() == model.to_dict() and again.points == model.points
+    assert again.prefill_seconds(2000) == model.prefill_seconds(2000)
+
+
+def test_an_older_calibration_file_loads_and_charges_as_before(tmp_path):
+    path = tmp_path / "old.json"  # written before split steps: no prefill_attention_s, points without prompts
+    path.write_text(json.dumps({"token_profile": {"16": 0.1, "1024": 4.0}, "per_context_s": 1e-6,
+                                "per_prefill_context_s": 2e-7, "block_size": 16, "num_blocks": 364,
+                                "points": [{"prefill_tokens": 16, "num_decodes": 0, "context": 0, "seconds": 0.1}]}))
+    model = EngineModel.load(path)
+    assert model.prefill_attention_s == 0.0 and model.points[0].prompts == 1
+    assert model.step_seconds(520, 1000, 64) == pytest.approx(0.1 + 3.9 * 504 / 1008 + 1e-6 * 1000 + 2e-7 * 64)
+    assert model.prefill_seconds(2048) == pytest.approx(4.0 + 3.9 * 1024 / 1008)  # linear past its last point
+
+
+def test_a_step_of_two_prompts_pays_each_prompts_own_attention():
+    model = EngineModel({16: 0.06, 1024: 4.6}, 0.0, prefill_attention_s=1e-6, num_blocks=256,
+                        max_num_batched_tokens=2048)
+    inst = Instance("i0", model)
+    a, b = (SimRequest(name, 600, 1, (), (), 0, 0.0) for name in "ab")
+    inst.waiting.extend((a, b))
+    end = inst.start(0.0)
+    assert inst.complete(end)[0] == [a, b]  # both prefilled in this one step
+    assert end == pytest.approx(model.cost(1200) + 1e-6 * 2 * attention_pairs(600))
+    assert end < model.prefill_seconds(1200)  # one 1,200-token prompt attends over twice the pairs
 
 
 def _serve(instance: Instance, request: SimRequest, now: float) -> float:

@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from threefold.sim.block_pool import SimBlockPool
-from threefold.sim.engine_model import EngineModel
+from threefold.sim.engine_model import EngineModel, attention_pairs
 
 
 @dataclass(eq=False)
@@ -110,8 +110,9 @@ class Instance:
                 budget -= chunk
             tokens = sum(c for _, c in self._chunks)
             before = sum(c * (r.prompt_len - r.remaining) for r, c in self._chunks)  # cached or earlier chunks
+            pairs = sum(attention_pairs(c) for _, c in self._chunks)  # each chunk's attention over itself
             self.prefill_tokens += tokens
-            self.end = now + self.model.step_seconds(tokens + num_decodes, self.context, before)
+            self.end = now + self.model.step_seconds(tokens + num_decodes, self.context, before, pairs)
         elif num_decodes:
             k = self.decodes[0][0] - self.steps
             a = self.model.step_seconds(num_decodes, self.context)
