@@ -241,8 +241,10 @@ def run_one(cfg: dict, args, gguf: str, hf_dir: str, peers: Path, prompt_ids, wa
     if cfg["passive"] or (args.omp_passive and cfg["engine"] in ("threefold", "transformers")):
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     if cfg["engine"] == "vllm":
+        from threefold.bench.peers import run_as_env
+
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{len(os.sched_getaffinity(0)) - 1}",
-                   VLLM_CPU_KVCACHE_SPACE=str(int(args.kv_gib) or 1))
+                   VLLM_CPU_KVCACHE_SPACE=str(int(args.kv_gib) or 1), **run_as_env())
     spec_path = Path(args.out_dir) / f".spec_{os.getpid()}.json"
     spec_path.write_text(json.dumps(spec))
     started = time.perf_counter()
@@ -348,6 +350,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="per worker process, seconds")
     parser.add_argument("--out-dir", default="results/decode")
     args = parser.parse_args()
+    from threefold.cpu import apply_run_as
+
+    apply_run_as()  # $THREEFOLD_CPU_CLASS: every worker, peers too, inherits the capped ISA
 
     from transformers import AutoTokenizer
 
