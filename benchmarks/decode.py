@@ -240,11 +240,12 @@ def run_one(cfg: dict, args, gguf: str, hf_dir: str, peers: Path, prompt_ids, wa
     env = dict(os.environ)
     if cfg["passive"] or (args.omp_passive and cfg["engine"] in ("threefold", "transformers")):
         env["OMP_WAIT_POLICY"] = "PASSIVE"
-    if cfg["engine"] == "vllm":
-        from threefold.bench.peers import run_as_env
+    from threefold.bench.peers import run_as_env
 
+    env.update(run_as_env())  # $THREEFOLD_CPU_CLASS: each engine runs as that class
+    if cfg["engine"] == "vllm":
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{len(os.sched_getaffinity(0)) - 1}",
-                   VLLM_CPU_KVCACHE_SPACE=str(int(args.kv_gib) or 1), **run_as_env())
+                   VLLM_CPU_KVCACHE_SPACE=str(int(args.kv_gib) or 1))
     spec_path = Path(args.out_dir) / f".spec_{os.getpid()}.json"
     spec_path.write_text(json.dumps(spec))
     started = time.perf_counter()

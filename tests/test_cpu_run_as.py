@@ -52,22 +52,23 @@ def test_running_as_avx2_caps_torch_and_what_it_starts():
     script = ("import json, os, torch\n"
               "from threefold.cpu import apply_run_as\n"
               "cls = apply_run_as()\n"
-              "capability = torch.backends.cpu.get_cpu_capability()\n"
+              "capability = torch.backends.cpu.get_cpu_capability(), torch.backends.mkldnn.enabled\n"
               f"print(json.dumps([cls, capability, {{k: os.environ.get(k) for k in {keys!r}}}]))")
     env = {k: v for k, v in os.environ.items() if k not in RUN_AS_ENV["avx2"]}
     out = subprocess.run([sys.executable, "-c", script], env={**env, "THREEFOLD_CPU_CLASS": "avx2"},
                          capture_output=True, text=True, timeout=120, check=True)
     cls, capability, seen = json.loads(out.stdout.splitlines()[-1])
-    assert (cls, capability, seen) == ("avx2", "AVX2", RUN_AS_ENV["avx2"])
+    assert (cls, capability, seen) == ("avx2", ["AVX2", False], RUN_AS_ENV["avx2"])  # bf16 matmul: ATen's
 
 
 @pytest.mark.skipif(not ABOVE_AVX2, reason="the probes only lie on a CPU above AVX2")
 def test_peers_see_the_class_run_as_through_torch_cpu_probes(monkeypatch):
     """vLLM CPU picks its kernel build by torch.cpu's probes: under run_as_env they say no AVX-512."""
     monkeypatch.setenv("THREEFOLD_CPU_CLASS", "avx2")
-    probe = "import torch; print(torch.cpu._is_avx512_supported(), torch.cpu._is_avx512_bf16_supported())"
+    probe = ("import torch; print(torch.cpu._is_avx512_supported(), torch.cpu._is_avx512_bf16_supported(), "
+             "torch.backends.mkldnn.enabled)")
     out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **run_as_env()}, capture_output=True,
                          text=True, timeout=120, check=True)
-    assert out.stdout.split() == ["False", "False"]
+    assert out.stdout.split() == ["False", "False", "False"]
     monkeypatch.delenv("THREEFOLD_CPU_CLASS")
     assert run_as_env() == {}

@@ -15,8 +15,9 @@ faster CPU, as issue 9 allows: `cpu_info()` then reports the class (and only its
 "run as" in the model name), the dtype choice follows it, `cpu_kernels()` loads the build of
 that class (x86-64-v3 for avx2), and `apply_run_as()` caps torch's own kernels to it (RUN_AS_ENV:
 ATen's dispatch, oneDNN and MKL; set into the environment, so peers started from this
-process inherit them). Set them all before Python starts to be sure: a library already
-initialized keeps its ISA, and `apply_run_as()` warns when torch's capability disagrees.
+process inherit them) and sends bf16 matmuls where an AVX2 CPU sends them (ATen, not
+oneDNN). Set the variables before Python starts to be sure: a library already initialized
+keeps its ISA, and `apply_run_as()` warns when torch's capability disagrees.
 """
 
 from __future__ import annotations
@@ -138,6 +139,10 @@ def apply_run_as() -> str | None:
         return None
     for key, value in RUN_AS_ENV[cls].items():
         os.environ.setdefault(key, value)
+    # torch sends bf16 matmuls to oneDNN only where the hardware has AVX-512 BW/VL/DQ (or
+    # AVX-NE-CONVERT), read from CPUID: on an AVX2 CPU they take ATen's own gemm. Do the same
+    # (with default precision settings fp32 matmuls never take oneDNN, so nothing else moves).
+    torch.backends.mkldnn.set_flags(False)
     capability = torch.backends.cpu.get_cpu_capability()
     if capability.lower() != RUN_AS_ENV[cls]["ATEN_CPU_CAPABILITY"]:
         logger.warning("running as %s, but torch dispatches to %s kernels: start Python with %s", cls, capability,
