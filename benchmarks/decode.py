@@ -240,6 +240,9 @@ def run_one(cfg: dict, args, gguf: str, hf_dir: str, peers: Path, prompt_ids, wa
     env = dict(os.environ)
     if cfg["passive"] or (args.omp_passive and cfg["engine"] in ("threefold", "transformers")):
         env["OMP_WAIT_POLICY"] = "PASSIVE"
+    from threefold.bench.peers import run_as_env
+
+    env.update(run_as_env())  # $THREEFOLD_CPU_CLASS: each engine runs as that class
     if cfg["engine"] == "vllm":
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{len(os.sched_getaffinity(0)) - 1}",
                    VLLM_CPU_KVCACHE_SPACE=str(int(args.kv_gib) or 1))
@@ -348,6 +351,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="per worker process, seconds")
     parser.add_argument("--out-dir", default="results/decode")
     args = parser.parse_args()
+    from threefold.cpu import apply_run_as
+
+    apply_run_as()  # $THREEFOLD_CPU_CLASS: every worker, peers too, inherits the capped ISA
 
     from transformers import AutoTokenizer
 

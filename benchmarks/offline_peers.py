@@ -22,6 +22,7 @@ from threefold.bench.offline import ENGINES, add_offline_args, run_offline, toke
 from threefold.bench.report import write_report
 from threefold.bench.serve import add_serve_args
 from threefold.config import DEFAULT_MODEL
+from threefold.cpu import apply_run_as
 
 
 def main() -> None:
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--out-dir", default="results/offline")
     parser.set_defaults(model=DEFAULT_MODEL, num_prompts=32)
     args = parser.parse_args()
+    apply_run_as()  # $THREEFOLD_CPU_CLASS: threefold, transformers and the vLLM peer all take the capped ISA
     requests = token_workload(args)  # one workload for every engine and round
     out, paths = Path(args.out_dir), []
     out.mkdir(parents=True, exist_ok=True)

@@ -136,14 +136,19 @@ def smollm2_bf16w():
 
 
 def test_bf16_weights_hold_identical_values_on_both_paths(smollm2_bf16w):
-    """Each Linear's fp32 weight (for GEMMs) is exactly its bf16 stream weight widened, and the
-    tied embedding is the LM head's rounded weight; norms stay fp32 as loaded."""
+    """Each Linear's fp32 weight for GEMMs (plain, or prepacked for oneDNN, when the plain one
+    is dropped) is exactly its bf16 stream weight widened: an identity batch through the GEMM
+    path reads it back. The tied embedding is the LM head's rounded weight; norms stay fp32."""
     model = smollm2_bf16w.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * 30 + 1
     for linear in linears:
-        assert linear.weight.dtype == FP32 and linear.stream_weight.dtype == BF16
-        assert torch.equal(linear.weight, linear.stream_weight.float())
+        assert linear.stream_weight.dtype == BF16
+        assert linear.weight.dtype == FP32 and (linear.packed is not None or linear.weight.device.type != "meta")
+    for linear in [*(m for m in model.layers[0].modules() if isinstance(m, Linear)), model.lm_head]:
+        with torch.inference_mode():  # more rows than the few-row kernel takes: the GEMM path
+            gemm_weight = linear(torch.eye(linear.in_features)).t()
+        assert torch.equal(gemm_weight, linear.stream_weight.float())
     assert model.embed_tokens.weight is model.lm_head.weight
     assert model.norm.weight.dtype == FP32
 

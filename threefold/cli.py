@@ -8,6 +8,7 @@ import sys
 import uuid
 
 from threefold.config import DTYPES, SCHEDULING_POLICIES, CacheConfig, ModelConfig, SchedulerConfig
+from threefold.env import Env
 from threefold.errors import ThreefoldError
 
 
@@ -210,6 +211,10 @@ def quiet_openmp() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     quiet_openmp()
+    if Env.read().cpu_class:  # before torch runs anything; peers started from here inherit it
+        from threefold.cpu import apply_run_as
+
+        apply_run_as()
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from threefold.bench.datasets import SampleRequest, Session
-from threefold.bench.peers import best_dtype, convert, converted_dir, is_installed, venv_python
+from threefold.bench.peers import best_dtype, convert, converted_dir, is_installed, run_as_env, venv_python
 from threefold.bench.report import cpu_record
 from threefold.bench.serve import build_workload
 from threefold.bench.tokenizer import load_tokenizer, resolve_model_path
@@ -71,7 +71,8 @@ def run_vllm(model: str, requests: list[dict], dtype: str, max_model_len: int) -
         json.dump({"model_dir": str(_hf_dir(model)), "dtype": dtype, "max_model_len": max_model_len,
                    "requests": requests}, f)
     cpus = len(os.sched_getaffinity(0))
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cpus - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cpus - 1}", "VLLM_CPU_KVCACHE_SPACE": "4",
+           **run_as_env()}
     try:
         proc = subprocess.run([str(venv_python("vllm")), str(runner), f.name], capture_output=True, text=True,
                               env=env, check=False)  # a failure is reported below with its stderr

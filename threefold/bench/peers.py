@@ -168,6 +168,21 @@ def served_name(model: str) -> str:
     return model if "/" not in model and not model.endswith(".gguf") else Path(model).stem
 
 
+def run_as_env() -> dict[str, str]:
+    """Extra environment for a peer's processes while this CPU runs as a lesser class
+    ($THREEFOLD_CPU_CLASS, threefold/cpu.py): torch's ISA caps, and peer_site/ first on the
+    PYTHONPATH, whose sitecustomize makes torch.cpu's CPUID probes, which vLLM picks its
+    kernels by, answer for that class. {} otherwise."""
+    from threefold.cpu import RUN_AS_ENV, run_as_class
+
+    cls = run_as_class()
+    if cls is None:
+        return {}
+    path = os.pathsep.join(p for p in (str(Path(__file__).with_name("peer_site")), os.environ.get("PYTHONPATH"))
+                           if p)
+    return {**RUN_AS_ENV[cls], "THREEFOLD_CPU_CLASS": cls, "PYTHONPATH": path}
+
+
 def _num_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -208,7 +223,8 @@ def serve_command(peer: str, model: str, port: int, host: str = "127.0.0.1", max
                "--max-model-len", str(max_model_len), "--dtype", dtype,
                "--enable-prompt-tokens-details"]  # so usage reports cached (prefix-hit) tokens
         # Without the bind vLLM leaves one of 2 cores idle; the KV space is GiB of RAM.
-        return cmd, {"VLLM_CPU_OMP_THREADS_BIND": f"0-{_num_cpus() - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
+        return cmd, {"VLLM_CPU_OMP_THREADS_BIND": f"0-{_num_cpus() - 1}", "VLLM_CPU_KVCACHE_SPACE": "4",
+                     **run_as_env()}
     gguf = resolve_model_path(model, pull_if_missing=True)
     # llama-cpp-python serves one request at a time, and by default a new request aborts the
     # running one (its stream just ends); queueing them instead is what a benchmark needs.

@@ -34,6 +34,7 @@ from types import ModuleType
 
 import torch
 
+from threefold.cpu import apply_run_as, run_as_class
 from threefold.env import Env
 
 logger = logging.getLogger(__name__)
@@ -164,20 +165,30 @@ def build_kernels(target: str = "native") -> ModuleType:
         build_directory=str(build_dir), verbose=False)
 
 
+RUN_AS_TARGET = {"avx2": "x86-64-v3"}
+"""The build the engine loads on a CPU that runs as a lesser class ($THREEFOLD_CPU_CLASS)."""
+
+
+def engine_target() -> str:
+    """The build the engine runs: native, or that of the class this CPU runs as."""
+    return RUN_AS_TARGET.get(run_as_class() or "", "native")
+
+
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
-    """The engine's build (native), or None where it cannot be made: callers use torch."""
+    """The engine's build (native, or the build of the class the CPU runs as), or None where
+    it cannot be made: callers use torch."""
+    apply_run_as()  # torch's own kernels take the class ours are built for
     if Env.read().attention_backend == "torch" or sys.platform != "linux":
         return None
     try:
-        return build_kernels("native")
+        return build_kernels(engine_target())
     except Exception as exc:  # noqa: BLE001 — no compiler, no ninja, ...: the torch path still works
         logger.warning("CPU kernels unavailable (%s: %s); using the plain PyTorch attention path",
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return None
 
 
-@functools.cache
 @functools.cache
 def few_rows_max(kernels: ModuleType | None) -> int:
     """The row limit for `linear_small` on this build: FEW_ROWS_MAX where it tiles rows (the

@@ -39,7 +39,9 @@ class Linear(nn.Linear):
     call; `pack` does it once at load (what inductor's freezing pass does), and
     the packed call computes the same values (checked bit-exact in the tests)
     1.3-1.5x faster at every batch size on the 2-core Xeon (microbenchmark with
-    SmolLM2's 30 layers of weights, cold). fp32 keeps F.linear (MKL).
+    SmolLM2's 30 layers of weights, cold). fp32 weights are packed too: F.linear
+    in fp32 is MKL, which on the AMD EPYC (AVX-512 and AVX2 classes) ran SmolLM2's
+    linears 2-3x slower than oneDNN's packed fp32 GEMM at 16-48 rows (BENCHMARKS.md).
 
     With `kernels` set, a call of at most `few_rows_max(kernels)` rows (small decode batches)
     takes threefold.kernels' linear_small over `stream_weight` instead: a plain
@@ -57,9 +59,10 @@ class Linear(nn.Linear):
     """Calls of at most this many rows take the few-row kernel."""
 
     def pack(self) -> bool:
-        """Prepack a bf16 CPU weight; False (nothing changes) where oneDNN can't take it."""
+        """Prepack a bf16 or fp32 CPU weight; False (nothing changes) where oneDNN can't take it."""
         weight = self.weight
-        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        if (weight.dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu"
+                or not torch.backends.mkldnn.is_available()):
             return False
         try:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)

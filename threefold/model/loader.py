@@ -78,8 +78,10 @@ def build_model(config: ModelArchConfig, source: TensorSource, max_len: int, dev
     model.eval().to(device)
     if precision.mixed:
         model.store_bf16()
-    # the few-row kernel streams the plain weights, where it runs over them
-    model.pack_weights(keep_plain=has_few_row_linear(kernels, precision.compute, precision.weights))
+    # The few-row kernel streams the plain weights, where it runs over them; under bf16-weights it
+    # streams the bf16 copy, so the fp32 weight is needed only packed, for GEMMs.
+    streams_plain = has_few_row_linear(kernels, precision.compute, precision.weights) and not precision.mixed
+    model.pack_weights(keep_plain=streams_plain)
     model.use_kernels(kernels)
     model.init_rope(max_len)
     return model
