@@ -97,7 +97,8 @@ class SpecDecoder:
         self.config = config
         self.proposer = proposer
         self.controller = None if not config.adaptive or cost is None else AdaptiveController(
-            cost, config.num_speculative_tokens, config.acceptance_ema_weight)
+            cost, config.num_speculative_tokens, config.acceptance_ema_weight,
+            tokens_for_depth=config.tree_tokens_by_depth())
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
         self.accepted_per_request: dict[str, int] = {}
 
