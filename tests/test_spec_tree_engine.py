@@ -96,7 +96,7 @@ def test_tree_greedy_is_identical_and_frees_rejected_blocks(make_llm, reference,
 
 def test_tree_under_preemption_and_prefix_caching(make_llm, reference, tree_proposer):
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4
-    llm = make_llm(speculative_config=TREE, kv_cache_memory=12 * block_bytes, max_model_len=96)
+    llm = make_llm(speculative_config=TREE, kv_cache_memory=8 * block_bytes, max_model_len=96)
     assert token_ids(llm.generate(REPEATING + PROMPTS[:2], GREEDY)) == reference
     stats = llm.engine.get_stats()
     assert stats.num_preemptions > 0 and stats.spec_num_accepted_tokens > 0 and stats.kv_cache_usage == 0.0
