@@ -150,16 +150,16 @@ def test_heads_trees_greedy_is_identical(make_llm, smollm2_fp32, reference, meth
     write_random_heads(method, smollm2_fp32, tmp_path)
     config = {"method": method, "model": str(tmp_path), "num_speculative_tokens": 3, **options}
     llm = make_llm(speculative_config=config, max_num_batched_tokens=64)
-    assert token_ids(llm.generate(REPEATING + PROMPTS[:2], GREEDY)) == reference
+    assert token_ids(llm.generate(REPEATING, GREEDY)) == reference[: len(REPEATING)]
     stats = llm.engine.get_stats()
     assert stats.spec_num_drafts > 0 and stats.kv_cache_usage == 0.0
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0, top_k=8, max_tokens=4, ignore_eos=True),
-    SamplingParams(temperature=0.9, top_p=0.9, repetition_penalty=1.05, max_tokens=4, ignore_eos=True),
-])
-def test_tree_sampling_distribution_is_unchanged(make_llm, tree_proposer, params):
+def test_tree_sampling_distribution_is_unchanged(make_llm, tree_proposer):
+    """Seeded samples with trees on and off, per position: a wrong rule (accept-if-argmax, or not
+    removing a rejected sibling's mass) moves the histogram well past p = 0.001."""
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.05, max_tokens=4,
+                            ignore_eos=True)
     prompt = REPEATING[0]
     n = 300
     batches = {}
