@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_spec_engine import CHI2_999, GREEDY, REPEATING, chi_square_two_sample, token_ids, write_random_heads
 
 from threefold.sample.params import SamplingParams
 from threefold.spec.ngram import ngram_lookup
 from threefold.spec.proposer import ROOT, Draft, DraftRequest, Proposer
 
 from prompts import PROMPTS
-from test_spec_engine import CHI2_999, GREEDY, REPEATING, chi_square_two_sample, token_ids, write_random_heads
 
 TREE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive": False}
 
