@@ -1,7 +1,7 @@
 """Speculative decoding, on vs off in the same run: output tok/s, acceptance, inter-token latency.
 
     flock /tmp/threefold-bench.lock .venv/bin/python benchmarks/spec_decode.py \
-        --methods ngram,eagle,medusa --heads-dir $THREEFOLD_HOME/heads --out results/spec.json
+        --methods ngram,eagle,eagle-tree,medusa,medusa-tree --heads-dir $THREEFOLD_HOME/heads --out results/spec.json
 
 For each workload (HumanEval prompts, greedy; ShareGPT *test*-split first turns, chat
 template, greedy) and each concurrency (1, 8, 32: a closed loop keeping that many
@@ -88,16 +88,24 @@ def run(engine: LLMEngine, prompts: list[str], concurrency: int, max_tokens: int
             "itl_p99_ms": 1000 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else None}
 
 
+MEDUSA_TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]"
+"""A 9-node sparse tree over 4 Medusa heads (the shape of Medusa's mc_sim trees, cut small for a CPU)."""
+TREES = {"eagle-tree": {"tree_top_k": 4, "tree_total_tokens": 12},
+         "medusa-tree": {"speculative_token_tree": MEDUSA_TREE}}
+"""Tree variants (--methods eagle-tree,medusa-tree): verified in one forward with a tree mask."""
+
+
 def configs(methods: list[str], heads_dir: Path, k: int) -> dict[str, dict | None]:
     out: dict[str, dict | None] = {"off": None}
-    for method in methods:
-        config = {"method": method, "num_speculative_tokens": k}
+    for name in methods:
+        method = name.removesuffix("-tree")
+        config = {"method": method, "num_speculative_tokens": k, **TREES.get(name, {})}
         if method in ("eagle", "medusa"):
             config["model"] = str(heads_dir / f"smollm2-135m-{method}")
             if not Path(config["model"]).is_dir():
                 print(f"skip {method}: no heads in {config['model']}")
                 continue
-        out[method] = config
+        out[name] = config
     return out
 
 

@@ -146,3 +146,21 @@ def test_spec_tokens_ride_along_and_rejections_roll_back():
     s.update_from_output(out, ModelRunnerOutput({"a": [11, 5]}))  # one draft accepted, then a correction
     assert r.output_token_ids == [7, 11, 5]
     assert r.num_computed_tokens == 6 and r.num_tokens == 7
+
+
+def test_rejected_drafts_blocks_are_freed_and_the_runner_told():
+    s = Scheduler(SchedulerConfig(8, 64), KVCacheManager(32, BLOCK, "m"), max_model_len=64, num_lookahead_tokens=6)
+    s.add_request(req("a", 7, max_tokens=20))
+    run_step(s)  # prefill 7 tokens (+6 lookahead slots): 4 blocks held, 2 kept
+    r, pool = s.requests["a"], s.kv.pool
+    assert len(s.kv.req_to_blocks["a"]) == 2 and pool.num_free_blocks == 31 - 2
+    r.spec_token_ids = [11, 12, 13, 14, 15, 16]
+    out = s.schedule()
+    assert out.trimmed_blocks == {"a": 2}  # last step's trim, for the runner's block table
+    assert len(s.kv.req_to_blocks["a"]) == 5  # 7 + 7 scheduled + 6 lookahead slots
+    s.update_from_output(out, ModelRunnerOutput({"a": [11, 5]}))  # one accepted: 9 computed
+    assert r.num_computed_tokens == 9
+    assert len(s.kv.req_to_blocks["a"]) == 3 and pool.num_free_blocks == 31 - 3
+    assert s.schedule().trimmed_blocks == {"a": 3}
+    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert pool.num_free_blocks == 31

@@ -105,3 +105,25 @@ def test_measured_draft_cost_can_turn_speculation_off():
         controller.observe_draft_cost(4, 0.04)
     assert controller.draft_seconds_per_token == pytest.approx(0.01, rel=1e-3)
     assert controller.choose(["r"], 1, 1) == [0]
+
+
+def test_tree_levels_cost_every_node_they_add():
+    """At batch 1 on a CPU where a verify step grows ~1.6x from 1 to 9 rows, a chain at a = 0.5 pays,
+    while an 8-node-per-level tree at the same per-level rate does not: k falls to 0."""
+    cost = StepCostModel({1: 0.010, 2: 0.011, 4: 0.012, 9: 0.016, 17: 0.024, 33: 0.040})
+    assert choose_num_drafts([0.5], [4], cost, 1, 1)[0] >= 2
+    wide = [0, 8, 16, 24, 32]  # tokens_for_depth: 8 nodes per level
+    assert choose_num_drafts([0.5], [4], cost, 1, 1, tokens_for_depth=wide) == [0]
+    assert choose_num_drafts([0.95], [4], cost, 1, 1, tokens_for_depth=wide)[0] > 0  # near-certain levels pay
+    controller = AdaptiveController(cost, max_drafts=4, tokens_for_depth=wide)
+    assert controller.choose(["r"], 1, 1) == [0]  # the prior rate (0.5) does not pay for 8 nodes a level
+
+
+def test_config_counts_tree_nodes_by_depth():
+    from threefold.spec.config import SpeculativeConfig
+
+    medusa = SpeculativeConfig("medusa", 3, model="x", speculative_token_tree="[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]")
+    assert medusa.tree_tokens_by_depth() == [0, 2, 4, 5]
+    eagle = SpeculativeConfig("eagle", 3, model="x", tree_top_k=2, tree_total_tokens=5)
+    assert eagle.tree_tokens_by_depth() == [0, 2, 5, 5]
+    assert SpeculativeConfig("ngram", 3).tree_tokens_by_depth() is None

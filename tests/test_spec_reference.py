@@ -40,7 +40,8 @@ def speculative_generate(loaded, decoder: SpecDecoder, prompt: list[int], max_to
         computed += num_real + accepted
         tokens += result.token_ids[0][: max_tokens - (len(tokens) - len(prompt))]
         room = max_tokens - (len(tokens) - len(prompt)) - 1
-        drafts = decoder.propose([Candidate("r", tokens, params, room, features, start)], 1, 1).get("r", [])
+        proposed = decoder.propose([Candidate("r", tokens, params, room, features, start)], 1, 1)
+        drafts = proposed["r"].token_ids if "r" in proposed else []
     return tokens[len(prompt):], steps
 
 

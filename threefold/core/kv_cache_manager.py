@@ -147,6 +147,20 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
+    def trim(self, request: Request) -> int | None:
+        """Free the request's blocks past its computed tokens (the slots of rejected drafts and the
+        unused lookahead); returns how many blocks it keeps, or None when it held no more. Published
+        blocks are never trimmed: only tokens known to be in the sequence are published, all computed."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = -(-request.num_computed_tokens // self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return None
+        extra = blocks[keep:]
+        assert all(b.block_hash is None for b in extra), "a published block past the computed tokens"
+        del blocks[keep:]
+        self.pool.free_blocks(reversed(extra))
+        return keep
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 

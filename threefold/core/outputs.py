@@ -48,6 +48,9 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, bytes]] = field(default_factory=list)
     """(block_id, block_hash) of preempted requests' blocks to copy to host memory (swap): first of all,
     before this step's loads or forward can overwrite a block the preemption freed."""
+    trimmed_blocks: dict[str, int] = field(default_factory=dict)
+    """Request id -> blocks it keeps: the scheduler freed its blocks past that count (slots of drafts
+    rejected last step); the runner truncates the request's block table before this step's new blocks."""
     blocks_to_store: list[tuple[int, bytes]] = field(default_factory=list)
     """(block_id, block_hash) published this step: the runner offloads them after the forward wrote
     them (write-through; a block cached this step is held by its request, so it cannot be reused first)."""

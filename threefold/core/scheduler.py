@@ -102,6 +102,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.spec_counts = [0, 0, 0]  # drafts (verify steps with drafts), draft tokens, accepted tokens
         self.spec_accepted_per_pos: list[int] = []
+        self.trimmed_blocks: dict[str, int] = {}
+        """Request id -> blocks kept after a verify freed the rejected drafts' blocks (for the next output)."""
         self.hybrid = config.scheduling_policy == "hybrid"
         self.predictor = predictor
         """Step time over a batch's shape; the engine sets it (calibrated) before offline work runs."""
@@ -214,6 +216,7 @@ class Scheduler:
             self.loads.unhold_if_stuck(self.waiting)
         self.last_shape = plan.shape
         finished, self.finished_req_ids = self.finished_req_ids, set()
+        trimmed, self.trimmed_blocks = self.trimmed_blocks, {}
         loaded = {block_hash for _, block_hash in plan.load}
         # Loaded blocks are already in the store; everything else published this step is written through.
         to_store = [e for e in self.kv.pool.drain_cached_events() if e[1] not in loaded]
@@ -223,7 +226,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_tokens.values()),
             scheduled_spec_token_ids=plan.spec, finished_req_ids=finished,
             preempted_req_ids=plan.preempted, blocks_to_load=plan.load, blocks_to_store=to_store,
-            blocks_to_swap_out=plan.swap_out)
+            blocks_to_swap_out=plan.swap_out, trimmed_blocks=trimmed)
 
     def _schedule_hybrid(self, plan: _StepPlan) -> None:
         """Online first (running, then waiting) in the budget less offline's floor; offline fills the rest."""
@@ -435,6 +438,9 @@ class Scheduler:
         num_rejected = num_spec + 1 - len(sampled) if sampled and num_spec else 0
         request.num_computed_tokens += num_scheduled - num_rejected
         request.spec_token_ids = []
+        kept = self.kv.trim(request)  # rejected drafts' slots and the unused lookahead go back to the pool
+        if kept is not None:
+            self.trimmed_blocks[rid] = kept
         if num_spec and sampled:
             self._count_spec(num_spec, num_spec - num_rejected)
         new_ids = []

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -113,12 +114,17 @@ def expected_tokens(rate: float, k: int) -> float:
 
 
 def choose_num_drafts(rates: list[float], max_drafts: list[int], cost: StepCostModel,
-                      base_tokens: int, base_emitted: int, draft_seconds_per_token: float = 0.0) -> list[int]:
+                      base_tokens: int, base_emitted: int, draft_seconds_per_token: float = 0.0,
+                      tokens_for_depth: Sequence[int] | None = None) -> list[int]:
     """k per speculating request maximising goodput for this step.
 
     rates/max_drafts: one entry per speculating request (max 0 = may not draft);
     base_tokens: tokens the step computes anyway (prefill chunks, every decode's
     one query); base_emitted: tokens it emits anyway (one per decode/finished prefill).
+    tokens_for_depth: candidate trees, where k is the depth: [d] = the verify rows a
+    depth-d tree adds (its nodes), so a deeper level costs every node it brings
+    (None: chains, d). The gain of a level stays a^d, a being the tree's
+    per-level acceptance rate.
     """
     # For a fixed number m of extra drafts the best choice is the m largest gains a_i^j (each
     # request's gains fall with j, so the top m are prefixes); the best m is found by one scan.
@@ -127,13 +133,15 @@ def choose_num_drafts(rates: list[float], max_drafts: list[int], cost: StepCostM
     taken: list[int] = []  # request index of each increment, best first
     counts = [0] * len(rates)
     emitted, best, best_m = float(base_emitted), base_emitted / cost(base_tokens), 0
+    extra = 0  # verify rows the drafts taken so far add
     while heap:
         neg_gain, i = heapq.heappop(heap)
         taken.append(i)
         counts[i] += 1
+        extra += 1 if tokens_for_depth is None else tokens_for_depth[counts[i]] - tokens_for_depth[counts[i] - 1]
         emitted -= neg_gain
         m = len(taken)
-        goodput = emitted / (cost(base_tokens + m) + draft_seconds_per_token * m)
+        goodput = emitted / (cost(base_tokens + extra) + draft_seconds_per_token * m)
         if goodput > best:
             best, best_m = goodput, m
         if counts[i] < max_drafts[i]:
@@ -153,8 +161,11 @@ class AdaptiveController:
     """
 
     def __init__(self, cost: StepCostModel, max_drafts: int, ema_weight: float = 0.3,
-                 probe_interval: int = 16, draft_seconds_per_token: float = 0.0) -> None:
+                 probe_interval: int = 16, draft_seconds_per_token: float = 0.0,
+                 tokens_for_depth: Sequence[int] | None = None) -> None:
         self.cost = cost
+        self.tokens_for_depth = tokens_for_depth
+        """Candidate trees: the verify rows of a tree of each depth (choose_num_drafts); None: chains."""
         self.max_drafts = max_drafts
         self.acceptance = AcceptanceTracker(ema_weight)
         self.probe_interval = probe_interval
@@ -164,7 +175,7 @@ class AdaptiveController:
     def choose(self, request_ids: list[str], base_tokens: int, base_emitted: int) -> list[int]:
         rates = [self.acceptance.rate(rid) for rid in request_ids]
         chosen = choose_num_drafts(rates, [self.max_drafts] * len(rates), self.cost, base_tokens, base_emitted,
-                                   self.draft_seconds_per_token)
+                                   self.draft_seconds_per_token, self.tokens_for_depth)
         for index, rid in enumerate(request_ids):
             idle = self.idle_steps.get(rid, 0) + 1 if chosen[index] == 0 else 0
             if idle >= self.probe_interval:

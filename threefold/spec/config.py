@@ -147,6 +147,19 @@ class SpeculativeConfig:
             return self.tree_total_tokens or self.num_speculative_tokens * self.tree_top_k
         return self.num_speculative_tokens
 
+    def tree_tokens_by_depth(self) -> list[int] | None:
+        """Trees: [d] = the nodes of this config's tree cut at depth d, d = 0..k (what a verify of
+        depth d computes beyond the root; the adaptive controller's cost). None for chains."""
+        k = self.num_speculative_tokens
+        if self.speculative_token_tree is not None:
+            paths = self.tree_paths()
+            return [sum(1 for p in paths if len(p) <= d) for d in range(k + 1)]
+        if self.tree_top_k > 1:  # EAGLE-2: top_k at depth 1, top_k^2 more per deeper level, reranked
+            top_k = self.tree_top_k
+            return [0] + [min(self.tree_total_tokens or d * top_k, top_k + (d - 1) * top_k * top_k)
+                          for d in range(1, k + 1)]
+        return None
+
     def tree_paths(self) -> list[tuple[int, ...]]:
         """Medusa's static tree: each node as the path of top-k ranks from the root."""
         if self.speculative_token_tree is None:

@@ -20,8 +20,9 @@ from torch import Tensor
 from threefold.sample.params import SamplingParams
 from threefold.spec.adaptive import AdaptiveController, StepCostModel
 from threefold.spec.config import SpeculativeConfig
-from threefold.spec.proposer import DraftRequest, Proposer
-from threefold.spec.verify import VerifyResult, verify_chains
+from threefold.spec.proposer import Draft, DraftRequest, Proposer
+from threefold.spec.tree import node_depths
+from threefold.spec.verify import TreeVerifyResult, VerifyResult, verify_chains, verify_trees
 
 PROFILE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 """Token counts whose forward time seeds the cost model (then refined online)."""
@@ -96,7 +97,8 @@ class SpecDecoder:
         self.config = config
         self.proposer = proposer
         self.controller = None if not config.adaptive or cost is None else AdaptiveController(
-            cost, config.num_speculative_tokens, config.acceptance_ema_weight)
+            cost, config.num_speculative_tokens, config.acceptance_ema_weight,
+            tokens_for_depth=config.tree_tokens_by_depth())
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
         self.accepted_per_request: dict[str, int] = {}
 
@@ -105,8 +107,9 @@ class SpecDecoder:
         return self.proposer.needs_hidden_states
 
     def propose(self, candidates: list[Candidate], base_tokens: int, base_emitted: int,
-                num_running: int | None = None) -> dict[str, list[int]]:
-        """Drafts for the next step; requests left out (k = 0) decode plainly."""
+                num_running: int | None = None) -> dict[str, Draft]:
+        """Drafts for the next step (chains of at most k tokens, or trees at most k deep); requests
+        left out (k = 0) decode plainly."""
         limit = self.config.disable_by_batch_size
         if limit is not None and (num_running or len(candidates)) >= limit:
             return {}
@@ -120,7 +123,8 @@ class SpecDecoder:
                                         for c, k in asked])
         if self.controller is not None:  # the proposer's own cost per drafted token, measured
             self.controller.observe_draft_cost(sum(k for _, k in asked), time.perf_counter() - start)
-        return {c.request_id: d.token_ids[:k] for (c, k), d in zip(asked, drafts, strict=False) if d.token_ids}
+        return {c.request_id: d if d.is_tree else Draft(d.token_ids[:k])
+                for (c, k), d in zip(asked, drafts, strict=False) if d.token_ids}
 
     def _choose(self, eligible: list[Candidate], base_tokens: int, base_emitted: int) -> list[int]:
         k_max = self.config.num_speculative_tokens
@@ -138,6 +142,17 @@ class SpecDecoder:
             self.accepted_per_request[rid] = self.accepted_per_request.get(rid, 0) + accepted
             if self.controller is not None:
                 self.controller.observe(rid, len(draft), accepted)
+        return result
+
+    def verify_trees(self, request_ids: list[str], logits: Tensor, drafts: list[Draft], params: list[SamplingParams],
+                     num_output_tokens: list[int], token_counts: list, generators: dict[int, torch.Generator],
+                     eos_token_ids: list[int]) -> TreeVerifyResult:
+        result = verify_trees(logits, drafts, params, num_output_tokens, token_counts, generators, eos_token_ids)
+        for rid, draft, accepted in zip(request_ids, drafts, result.num_accepted, strict=False):
+            self.stats.observe(len(draft.token_ids), accepted)
+            self.accepted_per_request[rid] = self.accepted_per_request.get(rid, 0) + accepted
+            if self.controller is not None:  # the geometric model's trials run down the tree's depth
+                self.controller.observe(rid, max(node_depths(draft.parent_ids or [])), accepted)
         return result
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:

@@ -25,7 +25,7 @@ from threefold.core.outputs import ModelRunnerOutput, TokenLogprobs
 from threefold.sample.logprobs import compute_logprobs_tensors
 from threefold.spec.config import SpeculativeConfig
 from threefold.spec.decoder import Candidate, SpecDecoder, profile_step_cost
-from threefold.spec.proposer import make_proposer
+from threefold.spec.proposer import Draft, make_proposer
 from threefold.spec.train import causal_attention
 
 
@@ -37,6 +37,10 @@ class SpecRunner:
         self.max_model_len = max_model_len
         self.pending_hidden: dict[str, tuple[int, list[Tensor]]] = {}
         """Hidden rows of prefill chunks not yet handed to the proposer: rid -> (first position, rows)."""
+        self.trees: dict[str, Draft] = {}
+        """The candidate tree each request drafted last (its tokens are the scheduler's spec_token_ids)."""
+        self.paths: dict[str, list[int]] = {}
+        """This step's accepted tree paths (node ids, root-down): their K/V move to the chain slots."""
         self.step_start = 0.0
 
     @classmethod
@@ -46,8 +50,25 @@ class SpecRunner:
         return cls(SpecDecoder(config, proposer, cost), loaded.model, list(loaded.eos_token_ids), max_model_len)
 
     # ---- verify --------------------------------------------------------------
+    def scheduled_trees(self, spec_tokens: dict[str, list[int]]) -> dict[str, list[int]]:
+        """request id -> parent ids of the tree its scheduled drafts form (the scheduler may have cut
+        the node list: any prefix of it is a tree). Drafts that form a chain are verified as one."""
+        trees = {}
+        for rid, tokens in spec_tokens.items():
+            tree = self.trees.get(rid)
+            if tree is None or tree.token_ids[: len(tokens)] != tokens:
+                continue
+            parents = (tree.parent_ids or [])[: len(tokens)]
+            if parents != list(range(-1, len(tokens) - 1)):
+                trees[rid] = parents
+        return trees
+
     def sample(self, batch, hidden: Tensor, spec_tokens: dict[str, list[int]],
-               plain_sample: Callable[[Any, Tensor], ModelRunnerOutput]) -> ModelRunnerOutput:
+               plain_sample: Callable[[Any, Tensor], ModelRunnerOutput],
+               trees: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
+        """trees: scheduled_trees(spec_tokens); those requests' drafts are verified as trees and their
+        accepted paths left in self.paths for the runner to keep."""
+        self.paths = {}
         verifying = [i for i, s in enumerate(batch.sampling_states) if spec_tokens.get(s.request_id)]
         if not verifying:
             return plain_sample(batch, hidden)
@@ -55,28 +76,47 @@ class SpecRunner:
         output = plain_sample(dataclasses.replace(
             batch, sample_rows=[batch.sample_rows[i] for i in plain],
             sampling_states=[batch.sampling_states[i] for i in plain]), hidden)
-        states = [batch.sampling_states[i] for i in verifying]
-        drafts = [spec_tokens[s.request_id] for s in states]
-        rows = [r for i, d in zip(verifying, drafts, strict=False) for r in range(batch.sample_rows[i] - len(d),
-                                                                   batch.sample_rows[i] + 1)]
+        trees = trees or {}
+        for is_tree in (False, True):
+            members = [i for i in verifying if (batch.sampling_states[i].request_id in trees) == is_tree]
+            if members:
+                self._verify(batch, hidden, members, spec_tokens, trees, output)
+        return output
+
+    def _verify(self, batch, hidden: Tensor, members: list[int], spec_tokens: dict[str, list[int]],
+                trees: dict[str, list[int]], output: ModelRunnerOutput) -> None:
+        """Verify the chains, or the trees, of the sampling states `members` into `output`."""
+        states = [batch.sampling_states[i] for i in members]
+        chains = [spec_tokens[s.request_id] for s in states]
+        rows = [r for i, d in zip(members, chains, strict=False) for r in range(batch.sample_rows[i] - len(d),
+                                                                  batch.sample_rows[i] + 1)]
         logits = self.model.compute_logits(hidden[rows])  # [sum(k + 1), vocab] float32
         generators = {n: s.generator for n, s in enumerate(states) if s.generator is not None}
-        result = self.decoder.verify([s.request_id for s in states], logits, drafts, [s.params for s in states],
-                                     [s.num_output_tokens for s in states], [s.penalties for s in states],
-                                     generators, self.eos_token_ids)
+        args = ([s.params for s in states], [s.num_output_tokens for s in states], [s.penalties for s in states],
+                generators, self.eos_token_ids)
+        rids = [s.request_id for s in states]
+        if states[0].request_id in trees:
+            drafts = [Draft(chain, trees[rid]) for rid, chain in zip(rids, chains, strict=True)]
+            tree_result = self.decoder.verify_trees(rids, logits, drafts, *args)
+            token_ids, num_accepted, paths = tree_result.token_ids, tree_result.num_accepted, tree_result.paths
+            self.paths.update(zip(rids, paths, strict=True))
+        else:
+            result = self.decoder.verify(rids, logits, chains, *args)
+            token_ids, num_accepted = result.token_ids, result.num_accepted
+            paths = [list(range(n)) for n in num_accepted]
         offset = 0
-        for state, draft, emitted, accepted in zip(states, drafts, result.token_ids, result.num_accepted, strict=False):
+        for state, chain, emitted, accepted, path in zip(states, chains, token_ids, num_accepted, paths, strict=True):
             state.token_ids.extend(emitted)
             if state.penalties is not None:
                 for token_id in emitted:
                     state.penalties.add(token_id)
             output.sampled_token_ids[state.request_id] = emitted
             output.num_accepted_tokens[state.request_id] = accepted
-            if state.params.logprobs is not None:
-                output.logprobs[state.request_id] = _logprobs(logits[offset : offset + len(emitted)], emitted,
+            if state.params.logprobs is not None:  # emitted[j] was drawn at the row of path[j - 1] (the root's: 0)
+                scored = [offset] + [offset + 1 + node for node in path]
+                output.logprobs[state.request_id] = _logprobs(logits[scored[: len(emitted)]], emitted,
                                                               state.params.logprobs)
-            offset += len(draft) + 1
-        return output
+            offset += len(chain) + 1
 
     # ---- propose -------------------------------------------------------------
     def propose(self, batch, hidden: Tensor, output: ModelRunnerOutput, spec_tokens: dict[str, list[int]],
@@ -95,7 +135,11 @@ class SpecRunner:
             candidates.append(Candidate(rid, state.token_ids, state.params, room,
                                         torch.cat(rows) if rows else None, start))
         base_tokens = len(batch.input_ids) - sum(len(d) for d in spec_tokens.values())
-        return self.decoder.propose(candidates, base_tokens, len(candidates))
+        drafts = self.decoder.propose(candidates, base_tokens, len(candidates))
+        for state in batch.sampling_states:
+            self.trees.pop(state.request_id, None)
+        self.trees.update((rid, d) for rid, d in drafts.items() if d.is_tree)
+        return {rid: d.token_ids for rid, d in drafts.items()}
 
     def _keep_hidden(self, batch, hidden: Tensor, output: ModelRunnerOutput, spec_tokens: dict[str, list[int]],
                      computed_before: dict[str, int]) -> None:
@@ -103,15 +147,20 @@ class SpecRunner:
         for state, start, num in zip(batch.order, batch.query_starts, batch.query_lens, strict=False):
             rid = state.request_id
             num_drafts = len(spec_tokens.get(rid, ()))
-            num_real = num - num_drafts + output.num_accepted_tokens.get(rid, 0)
             first, rows = self.pending_hidden.get(rid, (computed_before[rid], []))
             if first + sum(len(r) for r in rows) != computed_before[rid]:  # a gap: start afresh
                 first, rows = computed_before[rid], []
-            rows.append(hidden[start : start + num_real])
+            known = start + num - num_drafts  # the rows after the known tokens' are the drafts'
+            path = self.paths.get(rid)
+            if path is None:  # a chain: its accepted drafts' rows follow the known tokens'
+                rows.append(hidden[start : known + output.num_accepted_tokens.get(rid, 0)])
+            else:
+                rows.append(hidden[[*range(start, known), *(known + node for node in path)]])
             self.pending_hidden[rid] = (first, rows)
 
     def remove(self, request_id: str) -> None:
         self.pending_hidden.pop(request_id, None)
+        self.trees.pop(request_id, None)
         self.decoder.remove(request_id)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:

@@ -22,6 +22,8 @@ from threefold.sample.metadata import SamplingMetadata, TokenCounts
 from threefold.sample.ops import apply_min_p, apply_min_tokens, apply_penalties, apply_temperature, apply_top_k_top_p
 from threefold.sample.params import SamplingParams
 from threefold.sample.rejection import rejection_sample
+from threefold.spec.proposer import Draft
+from threefold.spec.tree import accept_greedy, accept_sampling
 
 
 class VerifyResult(NamedTuple):
@@ -49,12 +51,21 @@ def row_metadata(drafts: list[list[int]], params: list[SamplingParams], num_outp
                  device: torch.device | str) -> SamplingMetadata:
     """SamplingMetadata over every verify row: row j of a request has emitted drafts[:j] too
     (min_tokens counts them, penalties see them: a copy of the counts per row, penalty rows only)."""
+    prefixes = [[draft[:j] for j in range(len(draft) + 1)] for draft in drafts]
+    return prefix_metadata(prefixes, params, num_output_tokens, token_counts, eos_token_ids, vocab_size, device)
+
+
+def prefix_metadata(prefixes: list[list[list[int]]], params: list[SamplingParams], num_output_tokens: list[int],
+                    token_counts: list[TokenCounts | None], eos_token_ids: list[int], vocab_size: int,
+                    device: torch.device | str) -> SamplingMetadata:
+    """SamplingMetadata over every verify row, given per request the drafted tokens each of its
+    rows follows (a chain's row j: drafts[:j]; a tree node's row: its path from the root)."""
     row_params, row_outputs, row_counts = [], [], []
-    for draft, p, num_output, counts in zip(drafts, params, num_output_tokens, token_counts, strict=False):
-        for j in range(len(draft) + 1):
+    for rows, p, num_output, counts in zip(prefixes, params, num_output_tokens, token_counts, strict=False):
+        for prefix in rows:
             row_params.append(p)
-            row_outputs.append(num_output + j)
-            row_counts.append(counts if counts is None or j == 0 else _with_tokens(counts, draft[:j]))
+            row_outputs.append(num_output + len(prefix))
+            row_counts.append(counts if counts is None or not prefix else _with_tokens(counts, prefix))
     return SamplingMetadata.build(row_params, row_outputs, row_counts, {}, eos_token_ids, vocab_size, device)
 
 
@@ -98,3 +109,44 @@ def verify_chains(logits: Tensor, drafts: list[list[int]], params: list[Sampling
             token_ids[members[row]] = ids[: accepted + 1]
             num_accepted[members[row]] = accepted
     return VerifyResult(token_ids, num_accepted)
+
+
+class TreeVerifyResult(NamedTuple):
+    token_ids: list[list[int]]
+    """Per request: the accepted path's tokens, then the target's correction or bonus token."""
+    num_accepted: list[int]
+    paths: list[list[int]]
+    """Per request: the accepted node ids, root-down (their K/V move to the chain slots)."""
+
+
+def tree_prefixes(draft: Draft) -> list[list[int]]:
+    """The drafted tokens each verify row follows: none for the root, a node's path (itself included)."""
+    prefixes: list[list[int]] = [[]]
+    for token, parent in zip(draft.token_ids, draft.parent_ids or [], strict=True):
+        prefixes.append([*prefixes[parent + 1], token])  # ROOT = -1 -> the root's row
+    return prefixes
+
+
+def verify_trees(logits: Tensor, drafts: list[Draft], params: list[SamplingParams], num_output_tokens: list[int],
+                 token_counts: list[TokenCounts | None], generators: dict[int, torch.Generator],
+                 eos_token_ids: list[int]) -> TreeVerifyResult:
+    """logits [sum(N_i + 1), V]: each request's root row, then one row per node in node order.
+    Each row's distribution is processed as the Sampler would after its path (penalties, min_tokens);
+    greedy rows follow the argmax down the tree, sampled rows the exact tree rule (spec/tree.py)."""
+    prefixes = [tree_prefixes(d) for d in drafts]
+    meta = prefix_metadata(prefixes, params, num_output_tokens, token_counts, eos_token_ids, logits.shape[-1],
+                           logits.device)
+    probs = processed_probs(logits, meta)  # [R, V]
+    result = TreeVerifyResult([], [], [])
+    offset = 0
+    for i, draft in enumerate(drafts):
+        rows = probs[offset : offset + len(draft.token_ids) + 1]
+        offset += len(draft.token_ids) + 1
+        if params[i].greedy:
+            path, token = accept_greedy(draft, rows.argmax(-1).tolist())
+        else:
+            path, token = accept_sampling(draft, rows, generators.get(i))
+        result.token_ids.append([*(draft.token_ids[n] for n in path), token])
+        result.num_accepted.append(len(path))
+        result.paths.append(path)
+    return result

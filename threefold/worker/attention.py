@@ -23,7 +23,7 @@ two paths that compute the same thing:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from threefold.kv.native import decode_attention
 from threefold.kv.paged import PagedKVCache
+from threefold.worker.tree_verify import TreeGroup
 
 IN_PLACE_CHUNK = 16
 """A chunk with context of at most this many tokens runs as decode rows over a dense cache too: the
@@ -71,6 +72,8 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     sliding_window: int | None = None
     """Mistral-style: a token sees only the `sliding_window` most recent positions (itself included)."""
+    tree_groups: list[TreeGroup] = field(default_factory=list)
+    """Speculative candidate trees, one masked call each (worker/tree_verify.py)."""
 
 
 class PagedAttention:
@@ -95,6 +98,12 @@ class PagedAttention:
         for chunk in meta.prefills:
             span = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[span] = self._prefill(layer_idx, chunk, q[span], k[span], v[span])
+        for tree in meta.tree_groups:
+            span = slice(tree.query_start, tree.query_start + tree.num_rows)
+            keys, values = self.cache.read(layer_idx, tree.block_table)  # [1, kvh, L, d]
+            attn = F.scaled_dot_product_attention(q[span].transpose(0, 1).unsqueeze(0), keys, values,
+                                                  attn_mask=tree.mask, scale=self.scale, enable_gqa=True)
+            out[span] = attn[0].transpose(0, 1)
         return out
 
     def _decode(self, layer_idx: int, q: torch.Tensor, group: DecodeGroup,

@@ -11,6 +11,7 @@ from threefold.sample.metadata import TokenCounts
 from threefold.sample.params import SamplingParams
 from threefold.worker.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from threefold.worker.block_table import BlockTable
+from threefold.worker.tree_verify import TreeGroup, tree_group, tree_positions
 
 
 @dataclass
@@ -50,6 +51,10 @@ class RequestStates:
             state = self.states.pop(request_id, None)
             if state is not None:
                 self.block_table.free_row(state.row)
+        for request_id, num_blocks in sched.trimmed_blocks.items():
+            trimmed = self.states.get(request_id)
+            if trimmed is not None:
+                self.block_table.truncate(trimmed.row, num_blocks)
         for new in sched.scheduled_new_reqs:
             self._add(new)
         for cached in sched.scheduled_cached_reqs:
@@ -94,15 +99,18 @@ class StepBatch:
 
 def build_batch(states: list[CachedRequestState], num_scheduled: dict[str, int],
                 spec_tokens: dict[str, list[int]], block_table: BlockTable, device: torch.device,
-                sliding_window: int | None = None, native_decode: bool = False) -> StepBatch:
+                sliding_window: int | None = None, native_decode: bool = False,
+                trees: dict[str, list[int]] | None = None) -> StepBatch:
     """native_decode: the decodes go to the native kernel as one group with no mask;
-    otherwise they are bucketed by length for the torch path.
+    otherwise they are bucketed by length for the torch path. trees: request id -> the parent
+    ids of the candidate tree its drafts form (worker/tree_verify.py); other drafts are chains.
 
     Python work is O(requests + scheduled tokens), never O(context): block tables
     and slots come from the persistent `block_table`."""
+    trees = trees or {}
     # Decodes (with their drafts: a verify is a multi-query decode) first, shortest context first
-    # (so length buckets are contiguous), then prefill chunks.
-    order = sorted(states, key=lambda s: (not _is_decode(s, num_scheduled[s.request_id]), s.num_computed_tokens))
+    # (so length buckets are contiguous), then tree verifies, then prefill chunks.
+    order = sorted(states, key=lambda s: (_kind(s, num_scheduled[s.request_id], trees), s.num_computed_tokens))
     input_ids: list[int] = []
     starts, lens, sample_rows, sampling = [], [], [], []
     for state in order:
@@ -125,10 +133,25 @@ def build_batch(states: list[CachedRequestState], num_scheduled: dict[str, int],
                                dtype=torch.long)
         token_rows = rows.repeat_interleave(lens_t)
         positions = torch.arange(len(input_ids), dtype=torch.long) + offsets.repeat_interleave(lens_t)  # [T]
-    slots = block_table.slot_mapping(token_rows, positions)
-    attn = _attention_metadata(order, starts, lens, rows, slots, block_table, device, sliding_window, native_decode)
+    slots = block_table.slot_mapping(token_rows, positions)  # tree rows take consecutive slots too
+    tree_groups = []
+    for i, state in enumerate(order):
+        parents = trees.get(state.request_id)
+        if parents is not None and _kind(state, lens[i], trees) == 1:
+            positions[starts[i] : starts[i] + lens[i]] = tree_positions(parents, state.num_computed_tokens)
+            tree_groups.append(tree_group(parents, state.num_computed_tokens, starts[i], state.row, block_table,
+                                          device, sliding_window))
+    attn = _attention_metadata(order, starts, lens, rows, slots, block_table, device, sliding_window, native_decode,
+                               tree_groups)
     return StepBatch(torch.tensor(input_ids, device=device), positions.to(device), attn,
                      order, starts, lens, sample_rows, sampling)
+
+
+def _kind(state: CachedRequestState, num_scheduled: int, trees: dict[str, list[int]]) -> int:
+    """0: a decode or chain verify; 1: a tree verify; 2: a prefill chunk."""
+    if not _is_decode(state, num_scheduled):
+        return 2
+    return 1 if num_scheduled > 1 and state.request_id in trees else 0
 
 
 def _is_decode(state: CachedRequestState, num_scheduled: int) -> bool:
@@ -138,9 +161,11 @@ def _is_decode(state: CachedRequestState, num_scheduled: int) -> bool:
 
 def _attention_metadata(order: list[CachedRequestState], starts: list[int], lens: list[int], rows: torch.Tensor,
                         slots: torch.Tensor, block_table: BlockTable, device: torch.device,
-                        sliding_window: int | None, native_decode: bool) -> AttentionMetadata:
+                        sliding_window: int | None, native_decode: bool,
+                        tree_groups: list[TreeGroup]) -> AttentionMetadata:
     block_size = block_table.block_size
-    num_decodes = sum(1 for state, n in zip(order, lens, strict=False) if _is_decode(state, n))
+    num_verifies = sum(1 for state, n in zip(order, lens, strict=False) if _is_decode(state, n))
+    num_decodes = num_verifies - len(tree_groups)  # the tree verifies come right after the decodes
     # Every decode query is one row: a verify's k+1 queries share the request's block-table row
     # and see one more key each (its draft's, written before attention), as gpt-fast scores
     # [last, *drafts] in one call.
@@ -153,12 +178,12 @@ def _attention_metadata(order: list[CachedRequestState], starts: list[int], lens
                             with_mask=not native_decode)
               for lo, hi in buckets]
     prefills = []
-    for i in range(num_decodes, len(order)):
+    for i in range(num_verifies, len(order)):
         state, start, n = order[i], starts[i], lens[i]
         num_blocks = -(-(state.num_computed_tokens + n) // block_size)
         table = block_table.rows(rows[i : i + 1], num_blocks)  # [1, num_blocks]
         prefills.append(PrefillChunk(start, n, state.num_computed_tokens, table))
-    return AttentionMetadata(slots, groups, prefills, sliding_window)
+    return AttentionMetadata(slots, groups, prefills, sliding_window, tree_groups)
 
 
 # A bucket's longest context is at most this many times its shortest: padding

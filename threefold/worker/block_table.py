@@ -64,6 +64,12 @@ class BlockTable:
         self.num_blocks[row] = 0
         self.append(row, block_ids)
 
+    def truncate(self, row: int, num_blocks: int) -> None:
+        """Keep the row's first num_blocks blocks (the scheduler freed the rest)."""
+        if num_blocks < self.num_blocks[row]:
+            self.table[row, num_blocks : self.num_blocks[row]] = NULL_BLOCK_ID
+            self.num_blocks[row] = num_blocks
+
     def block_ids(self, row: int) -> list[int]:
         return self.table[row, : self.num_blocks[row]].tolist()
 

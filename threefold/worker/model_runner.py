@@ -28,6 +28,7 @@ from threefold.worker.attention import LayerDispatch, PagedAttention
 from threefold.worker.batch import RequestStates, StepBatch, build_batch
 from threefold.worker.kivi_attention import build_kivi_attention
 from threefold.worker.kv_offload import KVOffload
+from threefold.worker.tree_verify import keep_path
 
 
 class ModelRunner:
@@ -106,9 +107,10 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput({})
         states = [self.requests.states[rid] for rid in sched.num_scheduled_tokens]
+        trees = None if self.spec is None else self.spec.scheduled_trees(sched.scheduled_spec_token_ids)
         batch = build_batch(states, sched.num_scheduled_tokens, sched.scheduled_spec_token_ids,
                             self.requests.block_table, self.device, self.config.sliding_window,
-                            native_decode=self.kernels is not None)
+                            native_decode=self.kernels is not None, trees=trees)
         assert self.kv_cache is not None, "initialize_kv_cache() before execute()"
         attention = self._attention(batch)
         start, computed_before = time.perf_counter(), {s.request_id: s.num_computed_tokens for s in batch.order}
@@ -121,7 +123,10 @@ class ModelRunner:
             output = self._sample(batch, hidden)
         else:
             spec_tokens = sched.scheduled_spec_token_ids
-            output = self.spec.sample(batch, hidden, spec_tokens, self._sample)
+            output = self.spec.sample(batch, hidden, spec_tokens, self._sample, trees)
+            for rid, path in self.spec.paths.items():  # the accepted path's K/V stay, in sequence order
+                state = self.requests.states[rid]
+                keep_path(self.kv_cache, self.requests.block_table, state.row, state.num_computed_tokens, path)
             self.spec.observe_step(len(batch.input_ids), time.perf_counter() - start)
             output.draft_token_ids = self.spec.propose(batch, hidden, output, spec_tokens, computed_before)
         output.prompt_logprobs = prompt_logprobs
