@@ -45,15 +45,18 @@ def mix_geometry(config, spec: str, block_size: int) -> tuple[int, int, int]:
     return block, sum(c.bytes_per_block(block) for c in codecs), window
 
 
-def capacity_rows(config, budget_bytes: int, block_size: int = 16,
-                  codecs: tuple[str, ...] = SHOWN_CODECS, max_num_seqs: int = 256) -> list[dict]:
+def capacity_rows(config, budget_bytes: int, block_size: int = 16, codecs: tuple[str, ...] = SHOWN_CODECS,
+                  max_num_seqs: int = 256, max_model_len: int | None = None) -> list[dict]:
     """Per codec (or per-layer mix): resolved spec, bytes per token (all layers, codes + scales +
     zeros), tokens in the budget. A windowed codec (KIVI) first sets aside its requests'
-    full-precision windows, as the engine does, at a block size that is a multiple of its group."""
+    full-precision windows, as the engine does (planned for max_model_len; None: the model's
+    max_position_embeddings), at a block size that is a multiple of its group."""
+    max_model_len = max_model_len or getattr(config, "max_position_embeddings", 0)
     rows = []
     for spec in codecs:
         block, block_bytes, window = mix_geometry(config, spec, block_size)
-        seqs = window_slots(budget_bytes, window, max_num_seqs) if window else max_num_seqs
+        plan_bytes = -(-max_model_len // block) * block_bytes
+        seqs = window_slots(budget_bytes, window, max_num_seqs, plan_bytes) if window else max_num_seqs
         rows.append({"kv_cache_dtype": mix_text(layer_specs(spec, config.num_layers)),
                      "bytes_per_token": block_bytes / block,
                      "capacity_tokens": (budget_bytes - (seqs * window if window else 0)) // block_bytes * block,
