@@ -9,7 +9,7 @@ import torch
 from threefold.kv.codecs.kivi import KiviCodec
 from threefold.kv.mix import layer_specs, mix_text
 from threefold.kv.registry import make_codec
-from threefold.kv.window import WindowArena, window_slots
+from threefold.kv.window import WindowArena, window_dtype, window_slots
 
 SHOWN_CODECS = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "kivi2", "kivi4")
 
@@ -41,7 +41,7 @@ def mix_geometry(config, spec: str, block_size: int) -> tuple[int, int, int]:
     block = math.lcm(block_size, *(c.group for c in made.values() if isinstance(c, KiviCodec)))
     windowed = [c.window_tokens(block) for c in codecs if c.window_tokens(block)]
     window = WindowArena.bytes_per_slot(len(windowed), max(windowed), config.num_kv_heads, config.head_dim,
-                                        config.dtype) if windowed else 0
+                                        window_dtype(config.dtype)) if windowed else 0
     return block, sum(c.bytes_per_block(block) for c in codecs), window
 
 

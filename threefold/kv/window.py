@@ -1,5 +1,6 @@
 """Full-precision windows: the recent tokens of each running request that a windowed codec
-(KIVI) keeps in the model's dtype beside its quantized blocks.
+(KIVI) keeps in full precision beside its quantized blocks: the model's dtype, fp16 for fp32
+models (`window_dtype`).
 
     ring   [num_layers, 2, num_slots, size, kvh, d]   position p of a request lives at p % size
 
@@ -33,6 +34,13 @@ def arena_share(bytes_per_slot: int, plan_bytes: int) -> float:
     take `plan_bytes` (one max_model_len request; 0: unknown, the ceiling)."""
     low, high = ARENA_SHARE
     return min(high, max(low, bytes_per_slot / (bytes_per_slot + plan_bytes)))
+
+
+def window_dtype(compute: torch.dtype) -> torch.dtype:
+    """The windows' dtype: the model's, but fp16 where it computes in fp32. KIVI's "full precision"
+    is fp16 (its models run in fp16); fp32 windows would double the bytes that bound how many
+    requests run at once, for a rounding (2^-11 relative) below what the 2/4-bit blocks add."""
+    return torch.float16 if compute == torch.float32 else compute
 
 
 def window_slots(budget: int, bytes_per_slot: int, max_num_seqs: int, plan_bytes: int = 0) -> int:
