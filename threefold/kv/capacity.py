@@ -51,11 +51,11 @@ def capacity_rows(config, budget_bytes: int, block_size: int = 16, codecs: tuple
     zeros), tokens in the budget. A windowed codec (KIVI) first sets aside its requests'
     full-precision windows, as the engine does (planned for max_model_len; None: the model's
     max_position_embeddings), at a block size that is a multiple of its group."""
-    max_model_len = max_model_len or getattr(config, "max_position_embeddings", 0)
+    plan_len: int = max_model_len or getattr(config, "max_position_embeddings", 0)
     rows = []
     for spec in codecs:
         block, block_bytes, window = mix_geometry(config, spec, block_size)
-        plan_bytes = -(-max_model_len // block) * block_bytes
+        plan_bytes = -(-plan_len // block) * block_bytes
         seqs = window_slots(budget_bytes, window, max_num_seqs, plan_bytes) if window else max_num_seqs
         rows.append({"kv_cache_dtype": mix_text(layer_specs(spec, config.num_layers)),
                      "bytes_per_token": block_bytes / block,

@@ -125,7 +125,7 @@ class KiviAttention:
         rows, slots, positions = self._step_plan().ring_writes
         if len(rows):
             ring = self._ring(layer_idx)
-            ring[:, slots, positions] = torch.stack([k.index_select(0, rows), v.index_select(0, rows)])
+            ring[:, slots, positions] = torch.stack([k.index_select(0, rows), v.index_select(0, rows)]).to(ring.dtype)
         return dense
 
     def _write(self, layer_idx: int, codec: WindowedCodec, residual: int, r: KiviRequest, k: torch.Tensor,
