@@ -51,7 +51,7 @@ def capacity_rows(config, budget_bytes: int, block_size: int = 16, codecs: tuple
     zeros), tokens in the budget. A windowed codec (KIVI) first sets aside its requests'
     full-precision windows, as the engine does (planned for max_model_len; None: the model's
     max_position_embeddings), at a block size that is a multiple of its group."""
-    plan_len: int = max_model_len or getattr(config, "max_position_embeddings", 0)
+    plan_len = max_model_len or int(getattr(config, "max_position_embeddings", 0))
     rows = []
     for spec in codecs:
         block, block_bytes, window = mix_geometry(config, spec, block_size)
