@@ -13,7 +13,8 @@ Speed: one layer's decode attention (native kernels, KIVI's too; GEAR, TurboQuan
 plain-torch path) per token at 1k and 4k contexts (--speed-lengths), batch 4, against `auto`.
 Throughput (--throughput, under the lock): offline ShareGPT first turns through LLM.generate
 at a small KV budget (--budget, 64 MiB), per codec: output tok/s and the most sequences that
-ran at once, against `auto`.
+ran at once, against `auto` (--long-prompts: every prompt --prompt-tokens long, concatenated
+conversations, for the context lengths where KIVI's window is amortized).
 """
 
 from __future__ import annotations
@@ -196,13 +197,13 @@ def kivi_decode_time(codec, config, length: int, batch: int, dtype: torch.dtype,
     """One layer's decode step over KIVI blocks + windows (the native kernel where it runs: kivi2/kivi4;
     the context is written through the plain-torch path)."""
     from threefold.kv.paged import PagedKVCache
-    from threefold.kv.window import WindowArena
+    from threefold.kv.window import WindowArena, window_dtype
     from threefold.worker.kivi_attention import KiviAttention, KiviRequest
 
     block_size, kvh, d = codec.group, config.num_kv_heads, config.head_dim
     per_seq = length // block_size + 1
     cache = PagedKVCache(codec, 1, batch * per_seq + 1, block_size, torch.device("cpu"))
-    arena = WindowArena(1, batch, codec.window_tokens(block_size), kvh, d, dtype, torch.device("cpu"))
+    arena = WindowArena(1, batch, codec.window_tokens(block_size), kvh, d, window_dtype(dtype), torch.device("cpu"))
     requests = []
     for b in range(batch):
         ids = torch.arange(1 + b * per_seq, 1 + (b + 1) * per_seq)
@@ -228,9 +229,11 @@ def kivi_decode_time(codec, config, length: int, batch: int, dtype: torch.dtype,
 
 
 def throughput_rows(model: str, codecs: list[str], budget: int, num_prompts: int, prompt_tokens: int,
-                    output_tokens: int) -> list[dict]:
+                    output_tokens: int, long: bool = False) -> list[dict]:
     """Offline generation of ShareGPT test-split first turns (truncated to prompt_tokens, exactly
-    output_tokens each) at a `budget`-byte KV pool: output tok/s and peak running sequences."""
+    output_tokens each) at a `budget`-byte KV pool: output tok/s and peak running sequences.
+    long: every prompt is exactly prompt_tokens of concatenated test-split conversations (`contexts`),
+    so the requests are as long as the context length under test."""
     from threefold.sample.params import SamplingParams
 
     rows = []
@@ -239,12 +242,14 @@ def throughput_rows(model: str, codecs: list[str], budget: int, num_prompts: int
                   max_model_len=prompt_tokens + output_tokens, max_num_seqs=256, enable_prefix_caching=False)
         tokenizer = llm.engine.core.loaded.tokenizer
         prompts = []
-        for record in open_sharegpt().iter_records("test", seed=0):
+        for record in ([] if long else open_sharegpt().iter_records("test", seed=0)):
             turns = list(dialogue(record))
             if turns:
                 prompts.append({"prompt_token_ids": tokenizer.encode(turns[0][0])[:prompt_tokens]})
             if len(prompts) == num_prompts:
                 break
+        if long:
+            prompts = [{"prompt_token_ids": ids} for ids in contexts(tokenizer, num_prompts, prompt_tokens)]
         params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
         core = llm.engine.core
         llm.generate(prompts[:1], params)  # warm-up
@@ -254,12 +259,17 @@ def throughput_rows(model: str, codecs: list[str], budget: int, num_prompts: int
         llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
         info = core.cache_info
-        rows.append({"codec": spec, "budget_mib": budget / 2**20, "output_tok_s": num_prompts * output_tokens / elapsed,
-                     "elapsed_s": elapsed, "peak_running": peak[0], "capacity_tokens": info["capacity_tokens"],
+        prompt_total = sum(len(p["prompt_token_ids"]) for p in prompts)
+        outputs = len(prompts) * output_tokens
+        rows.append({"codec": spec, "budget_mib": budget / 2**20, "output_tok_s": outputs / elapsed,
+                     "total_tok_s": (prompt_total + outputs) / elapsed,
+                     "prompt_tokens_mean": prompt_total / len(prompts), "elapsed_s": elapsed,
+                     "peak_running": peak[0], "capacity_tokens": info["capacity_tokens"],
                      "max_num_seqs": info["max_num_seqs"], "load_avg": os.getloadavg()[0]})
         print(json.dumps(rows[-1]), flush=True)
     for row in rows:
         row["tok_s_vs_auto"] = row["output_tok_s"] / rows[0]["output_tok_s"]
+        row["total_vs_auto"] = row["total_tok_s"] / rows[0]["total_tok_s"]
         row["peak_vs_auto"] = row["peak_running"] / max(1, rows[0]["peak_running"])
     return rows
 
@@ -310,6 +320,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=48)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--long-prompts", action="store_true",
+                        help="--throughput: prompts of exactly --prompt-tokens (concatenated conversations)")
     parser.add_argument("--guard", default=None, help="e.g. guard:kivi2: calibrate it and add its mixes as rows")
     parser.add_argument("--guard-budgets", default="0.01", help="KL budgets (nats/token) for --guard, comma-separated")
     parser.add_argument("--guard-tokens", type=int, default=512, help="calibration tokens (the engine's default: 512)")
@@ -319,7 +331,7 @@ def main() -> None:
     codecs = split_specs(ns.codecs)
     if ns.throughput:  # codecs[0] is the baseline of the ratios
         result = {"cpu": cpu_info().describe(), "throughput": throughput_rows(
-            ns.model, codecs, ns.budget, ns.num_prompts, ns.prompt_tokens, ns.output_tokens)}
+            ns.model, codecs, ns.budget, ns.num_prompts, ns.prompt_tokens, ns.output_tokens, ns.long_prompts)}
         print(json.dumps(result, indent=1), flush=True)
         return
     loaded = load_model(ns.model, dtype="float32")

@@ -13,7 +13,7 @@ from threefold.env import Env
 from threefold.kernels import available_targets, build_kernels, cpu_kernels
 from threefold.kv.paged import PagedKVCache
 from threefold.kv.registry import make_codec
-from threefold.kv.window import WindowArena
+from threefold.kv.window import WindowArena, window_dtype
 from threefold.sample.params import SamplingParams
 from threefold.worker.kivi_attention import KiviAttention, KiviRequest
 
@@ -39,12 +39,13 @@ def native_kernels_or_skip():
 class Twin:
     """The same requests through two caches: the reference path and the kernel."""
 
-    def __init__(self, spec, heads, kvh, d, bs, dtype, kernels, num_requests):
+    def __init__(self, spec, heads, kvh, d, bs, dtype, kernels, num_requests, ring_dtype=None):
         self.codec = make_codec(spec, kvh, d, dtype)
         self.heads, self.kvh, self.d, self.bs, self.dtype, self.kernels = heads, kvh, d, bs, dtype, kernels
         self.caches = [PagedKVCache(self.codec, 1, 40, bs, torch.device("cpu")) for _ in range(2)]
         size = self.codec.window_tokens(bs)
-        self.arenas = [WindowArena(1, num_requests, size, kvh, d, dtype, torch.device("cpu")) for _ in range(2)]
+        ring_dtype = ring_dtype or window_dtype(dtype)  # the engine's: fp16 windows beside fp32 compute
+        self.arenas = [WindowArena(1, num_requests, size, kvh, d, ring_dtype, torch.device("cpu")) for _ in range(2)]
         self.windows = [[arena.acquire(str(i), 0) for i in range(num_requests)] for arena in self.arenas]
         # request i owns blocks 1 + 12 i ..., shuffled so tables are not contiguous
         self.blocks = [torch.randperm(12, generator=torch.Generator().manual_seed(i)) + 1 + 12 * i
@@ -72,18 +73,19 @@ class Twin:
         torch.testing.assert_close(outs[1], outs[0], atol=3e-5 if fp32 else 3e-2, rtol=1e-5 if fp32 else 2e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,ring_dtype", [(torch.float32, None), (torch.float32, torch.float32),
+                                              (torch.bfloat16, None)])
 @pytest.mark.parametrize("spec,heads,kvh,d,bs", [
     ("kivi2:group=16,residual=16", 9, 3, 64, 16),    # SmolLM2's grouping
     ("kivi4:group=16,residual=32", 14, 2, 64, 32),   # Qwen2.5-0.5B's grouping, 2 key groups per block
     ("kivi2:group=32,residual=32", 4, 4, 128, 32),   # no GQA, head_dim 128
     ("kivi4:group=8,residual=8", 6, 2, 48, 16),      # a head_dim with no specialization
 ])
-def test_kivi_kernel_matches_reference(kernels, dtype, spec, heads, kvh, d, bs):
+def test_kivi_kernel_matches_reference(kernels, dtype, ring_dtype, spec, heads, kvh, d, bs):
     """Prefill chunks (the first one alone, a later one reading blocks and window), then decodes
     of two requests batched: contexts end inside the window, inside a partial key group and on
-    block boundaries as they grow."""
-    twin = Twin(spec, heads, kvh, d, bs, dtype, kernels, 2)
+    block boundaries as they grow. Windows in the engine's dtype (fp16 beside fp32) or the model's."""
+    twin = Twin(spec, heads, kvh, d, bs, dtype, kernels, 2, ring_dtype)
     assert twin.caches[1].layout(0).kind == "kivi"  # the kernel's layout, not GEAR's
     twin.step([(0, 0, 45)])
     twin.step([(0, 45, 37), (1, 0, 7)])  # a chunk longer than the window beside a first one

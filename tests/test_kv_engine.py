@@ -122,7 +122,7 @@ def test_kivi_outputs_stay_close_to_auto(make_llm, kivi_reference):
 
 
 def test_kivi_preemption_under_a_tiny_pool(make_llm, kivi_reference, monkeypatch):
-    monkeypatch.setattr("threefold.kv.window.ARENA_FRACTION", 0.85)  # room for two windows beside 6 blocks
+    monkeypatch.setattr("threefold.kv.window.ARENA_SHARE", (0.85, 0.85))  # room for two windows beside 6 blocks
     probe = make_llm(kv_cache_dtype=KIVI).engine.core
     window, block = probe.runner.window_bytes_per_seq(), probe.runner.bytes_per_block()
     llm = make_llm(kv_cache_memory=2 * window + 6 * block, max_model_len=96, kv_cache_dtype=KIVI)

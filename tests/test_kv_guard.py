@@ -20,6 +20,7 @@ from threefold.kv.guard import choose_levels, parse_guard
 from threefold.kv.mix import mix_text, parse_mix
 from threefold.kv.registry import CODECS, make_codec
 from threefold.kv.spec import SCHEMAS, parse_kv_spec
+from threefold.kv.window import window_dtype
 from threefold.sample.params import SamplingParams
 
 from model_fixtures import make_tiny_checkpoint
@@ -95,6 +96,7 @@ def _oracle_attention(codecs, block_size):
     def attend(layer, q, k, v):
         codec, n = codecs[layer], k.shape[0]
         if hasattr(codec, "residual"):
+            k, v = (t.to(window_dtype(t.dtype)).to(t.dtype) for t in (k, v))  # the window's precision
             pad = -n % block_size
             blocks = (-1, block_size, *k.shape[1:])
             kq, vq = codec.dequantize(*codec.quantize(torch.cat([k, k[:pad]]).view(blocks),
@@ -127,7 +129,8 @@ def test_a_mix_reads_each_layer_through_its_codec(make_llm, smollm2_fp32):
                         for s in (KIVI, "int8", "auto"))
     assert core.cache_info["kv_cache_dtype"] == f"mix:{KIVI}@0-9;int8@10-19;auto@20-29"
     assert core.runner.bytes_per_block() == 10 * sum(c.bytes_per_block(16) for c in (kivi, int8, auto))
-    assert core.cache_info["window_bytes_per_seq"] == 10 * 2 * (16 + 16) * config.num_kv_heads * config.head_dim * 4
+    # fp16 windows beside the fp32 model (kv/window.py: window_dtype)
+    assert core.cache_info["window_bytes_per_seq"] == 10 * 2 * (16 + 16) * config.num_kv_heads * config.head_dim * 2
     assert core.cache_info["layer_codecs"][9:11] == [KIVI, "int8"]
     ids = smollm2_fp32.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)[:72]
     got = llm.score_distributions([ids])[0]  # chunks of 16: later chunks read earlier ones back

@@ -13,7 +13,7 @@ from threefold.kv.codecs.kivi import unpack
 from threefold.kv.paged import PagedKVCache
 from threefold.kv.registry import make_codec
 from threefold.kv.spec import parse_kv_spec
-from threefold.kv.window import WindowArena, window_slots
+from threefold.kv.window import WindowArena, arena_share, window_slots
 from threefold.worker.kivi_attention import KiviAttention, KiviRequest
 
 
@@ -50,6 +50,13 @@ def test_window_slots_come_from_the_budget():
     assert window_slots(100 << 20, 1 << 20, 8) == 8
     with pytest.raises(ThreefoldError, match="cannot hold one request's full-precision window"):
         window_slots(10 << 20, 6 << 20, 256)
+
+
+def test_window_share_is_planned_for_max_model_len():
+    # windows of 10 MiB beside the 15 MiB of blocks one max_model_len request needs: 40% of the budget
+    assert arena_share(10 << 20, 15 << 20) == 0.4 and window_slots(100 << 20, 10 << 20, 256, 15 << 20) == 4
+    assert window_slots(100 << 20, 10 << 20, 256, 2 << 20) == 5  # short requests: at most half
+    assert window_slots(100 << 20, 10 << 20, 256, 90 << 20) == 2  # long ones: at least a quarter
 
 
 # ---- quantizer -----------------------------------------------------------------------------
@@ -209,3 +216,8 @@ def test_capacity_rows_set_the_windows_aside():
     # 2-bit K and V codes, fp16 scale + zero per 32 tokens of a key channel and per 32 channels of a value
     assert row["bytes_per_token"] == 30 * (2 * 3 * 64 * 2 / 8 + 3 * 64 * 4 / 32 + 3 * 2 * 4) == 4320
     assert row["capacity_tokens"] == ((256 << 20) - row["max_num_seqs"] * window) // (32 * 4320) * 32
+    # planned for 2k-token requests (blocks of 2048 * 4320 bytes beside each window): fewer windows,
+    # more blocks, and every window has the blocks of one such request
+    row = capacity_rows(config, 256 << 20, codecs=("kivi2",), max_model_len=2048)[0]
+    assert row["max_num_seqs"] == int((256 << 20) * window / (window + 2048 * 4320)) // window == 21
+    assert row["capacity_tokens"] // 2048 >= row["max_num_seqs"]

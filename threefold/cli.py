@@ -146,9 +146,10 @@ def cmd_info(ns: argparse.Namespace) -> int:
     config = arch_config(ns.model, ns.dtype)
     budget = ns.kv_cache_memory or 256 << 20
     print(f"{ns.model}: {config.num_layers} layers, {config.num_kv_heads} KV heads x {config.head_dim}, "
-          f"{str(config.dtype).removeprefix('torch.')}; KV budget {budget / 2**20:.0f} MiB")
+          f"{str(config.dtype).removeprefix('torch.')}; KV budget {budget / 2**20:.0f} MiB, "
+          f"max_model_len {ns.max_model_len or config.max_position_embeddings}")
     print(f"{'kv_cache_dtype':<28} {'bytes/token':>12} {'tokens':>10} {'vs auto':>8} {'max seqs':>9}")
-    rows = capacity_rows(config, budget, ns.block_size)
+    rows = capacity_rows(config, budget, ns.block_size, max_model_len=ns.max_model_len)
     for row in rows:
         print(f"{row['kv_cache_dtype']:<28} {row['bytes_per_token']:>12.0f} {row['capacity_tokens']:>10} "
               f"{row['capacity_tokens'] / max(rows[0]['capacity_tokens'], 1):>7.2f}x {row['max_num_seqs']:>9}")
@@ -177,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     info.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="budget; default 256MiB")
     info.add_argument("--block-size", type=int, default=16)
+    info.add_argument("--max-model-len", type=int, default=None,
+                      help="the length KIVI's window share is planned for; default the model's")
     info.set_defaults(func=cmd_info)
     train = sub.add_parser("train-draft", help="train Medusa heads or an EAGLE head for a target (ShareGPT train)")
     _train_args(train)

@@ -48,7 +48,8 @@ class EngineCore:
                                   speculative_config=speculative, max_model_len=max_model_len)
         budget = cache.kv_cache_memory or default_kv_cache_memory()
         window_bytes = self.runner.window_bytes_per_seq()
-        num_windows = window_slots(budget, window_bytes, sched.max_num_seqs) if window_bytes else 0
+        plan_bytes = -(-max_model_len // cache.block_size) * self.runner.bytes_per_block()  # one full-length request
+        num_windows = window_slots(budget, window_bytes, sched.max_num_seqs, plan_bytes) if window_bytes else 0
         if num_windows:  # a windowed codec (KIVI): the windows come out of the same budget
             sched = dataclasses.replace(sched, max_num_seqs=num_windows)
             logger.info("KV cache: %d full-precision windows of %.1f MiB bound max_num_seqs to %d",

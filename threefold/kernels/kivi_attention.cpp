@@ -54,11 +54,12 @@ inline void unpack(const uint8_t* __restrict c, float* __restrict dst, int64_t d
   }
 }
 
-template <int B, int D, typename T>
+// T: q and out; W: the window's rows (T, or fp16 beside fp32 q: kv/window.py's window_dtype).
+template <int B, int D, typename T, typename W>
 void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring, const KiviArgs& a) {
   const T* q_ptr = q.data_ptr<T>();
   T* out_ptr = out.data_ptr<T>();
-  const T* ring_ptr = ring.data_ptr<T>();
+  const W* ring_ptr = ring.data_ptr<W>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1), o_row = out.stride(0), o_head = out.stride(1);
   const int64_t d = a.head_dim, kvh_n = a.num_kv_heads, width = d * B / 8, vg = d / a.value_groups;
   const int64_t ring_side = a.ring_slots * a.ring_size * kvh_n * d;  // K half of the ring, then V
@@ -72,7 +73,7 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
       const int64_t r = item / kvh_n, kvh = item % kvh_n;
       const int64_t len = a.lens[r], nq = std::min(a.quant_lens[r], len);
       const int64_t* table = a.tables + r * a.table_width;
-      const T* exact = ring_ptr + a.slots[r] * a.ring_size * kvh_n * d + kvh * d;
+      const W* exact = ring_ptr + a.slots[r] * a.ring_size * kvh_n * d + kvh * d;
       auto exact_row = [&](int64_t pos) {  // offset of position pos's exact row (K side)
         int64_t i = (pos - a.bases[r]) % a.ring_size;
         return (i < 0 ? i + a.ring_size : i) * kvh_n * d;
@@ -142,20 +143,20 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
   });
 }
 
-template <int B, typename T>
+template <int B, typename T, typename W>
 void dispatch_dim(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring, const KiviArgs& a) {
   switch (a.head_dim) {
-    case 64: return kivi_run<B, 64, T>(out, q, ring, a);
-    case 128: return kivi_run<B, 128, T>(out, q, ring, a);
-    default: return kivi_run<B, 0, T>(out, q, ring, a);
+    case 64: return kivi_run<B, 64, T, W>(out, q, ring, a);
+    case 128: return kivi_run<B, 128, T, W>(out, q, ring, a);
+    default: return kivi_run<B, 0, T, W>(out, q, ring, a);
   }
 }
 
-template <typename T>
+template <typename T, typename W>
 void dispatch_bits(int64_t bits, const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring,
                    const KiviArgs& a) {
-  if (bits == 2) return dispatch_dim<2, T>(out, q, ring, a);
-  dispatch_dim<4, T>(out, q, ring, a);
+  if (bits == 2) return dispatch_dim<2, T, W>(out, q, ring, a);
+  dispatch_dim<4, T, W>(out, q, ring, a);
 }
 
 bool same_long(const at::Tensor& t, int64_t n) {
@@ -165,14 +166,15 @@ bool same_long(const at::Tensor& t, int64_t n) {
 }  // namespace
 
 // out, q: [R, H, d] (float32 or bfloat16, head_dim contiguous); k/v codes, scales, zeros as
-// above (contiguous); ring: [2, S, size, kvh, d] contiguous, q's dtype; block_tables [R, width],
-// quant_lens, seq_lens (>= 1), slots, bases: [R] int64.
+// above (contiguous); ring: [2, S, size, kvh, d] contiguous, q's dtype (or fp16 beside fp32 q);
+// block_tables [R, width], quant_lens, seq_lens (>= 1), slots, bases: [R] int64.
 void kivi_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at::Tensor v_codes, at::Tensor k_scales, at::Tensor k_zeros, at::Tensor v_scales, at::Tensor v_zeros, at::Tensor ring, at::Tensor block_tables, at::Tensor quant_lens, at::Tensor seq_lens, at::Tensor slots, at::Tensor bases, double scale) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.stride(2) == 1 && out.stride(2) == 1,
               "q and out must be [R, H, d] of one shape, head_dim contiguous");
-  TORCH_CHECK(q.scalar_type() == out.scalar_type() && q.scalar_type() == ring.scalar_type() &&
+  const bool half_ring = q.scalar_type() == at::kFloat && ring.scalar_type() == at::kHalf;
+  TORCH_CHECK(q.scalar_type() == out.scalar_type() && (q.scalar_type() == ring.scalar_type() || half_ring) &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
-              "q, out and ring must share a dtype, float32 or bfloat16");
+              "q and out must share a dtype, float32 or bfloat16, and ring have it too (or float16 beside float32)");
   const int64_t rows = q.size(0), d = q.size(2);
   TORCH_CHECK(k_codes.dim() == 4 && k_codes.sizes() == v_codes.sizes() && k_codes.is_contiguous() &&
                   v_codes.is_contiguous() && k_codes.scalar_type() == at::kByte,
@@ -206,6 +208,7 @@ void kivi_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at::Tensor
                    seq_lens.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), bases.data_ptr<int64_t>(),
                    static_cast<float>(scale)};
   const int64_t bits = width * 8 / d;
-  if (q.scalar_type() == at::kBFloat16) return dispatch_bits<at::BFloat16>(bits, out, q, ring, a);
-  dispatch_bits<float>(bits, out, q, ring, a);
+  if (q.scalar_type() == at::kBFloat16) return dispatch_bits<at::BFloat16, at::BFloat16>(bits, out, q, ring, a);
+  if (half_ring) return dispatch_bits<float, Half>(bits, out, q, ring, a);
+  dispatch_bits<float, float>(bits, out, q, ring, a);
 }

@@ -9,7 +9,7 @@ import torch
 from threefold.kv.codecs.kivi import KiviCodec
 from threefold.kv.mix import layer_specs, mix_text
 from threefold.kv.registry import make_codec
-from threefold.kv.window import WindowArena, window_slots
+from threefold.kv.window import WindowArena, window_dtype, window_slots
 
 SHOWN_CODECS = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "kivi2", "kivi4")
 
@@ -41,19 +41,22 @@ def mix_geometry(config, spec: str, block_size: int) -> tuple[int, int, int]:
     block = math.lcm(block_size, *(c.group for c in made.values() if isinstance(c, KiviCodec)))
     windowed = [c.window_tokens(block) for c in codecs if c.window_tokens(block)]
     window = WindowArena.bytes_per_slot(len(windowed), max(windowed), config.num_kv_heads, config.head_dim,
-                                        config.dtype) if windowed else 0
+                                        window_dtype(config.dtype)) if windowed else 0
     return block, sum(c.bytes_per_block(block) for c in codecs), window
 
 
-def capacity_rows(config, budget_bytes: int, block_size: int = 16,
-                  codecs: tuple[str, ...] = SHOWN_CODECS, max_num_seqs: int = 256) -> list[dict]:
+def capacity_rows(config, budget_bytes: int, block_size: int = 16, codecs: tuple[str, ...] = SHOWN_CODECS,
+                  max_num_seqs: int = 256, max_model_len: int | None = None) -> list[dict]:
     """Per codec (or per-layer mix): resolved spec, bytes per token (all layers, codes + scales +
     zeros), tokens in the budget. A windowed codec (KIVI) first sets aside its requests'
-    full-precision windows, as the engine does, at a block size that is a multiple of its group."""
+    full-precision windows, as the engine does (planned for max_model_len; None: the model's
+    max_position_embeddings), at a block size that is a multiple of its group."""
+    plan_len = max_model_len or int(getattr(config, "max_position_embeddings", 0))
     rows = []
     for spec in codecs:
         block, block_bytes, window = mix_geometry(config, spec, block_size)
-        seqs = window_slots(budget_bytes, window, max_num_seqs) if window else max_num_seqs
+        plan_bytes = -(-plan_len // block) * block_bytes
+        seqs = window_slots(budget_bytes, window, max_num_seqs, plan_bytes) if window else max_num_seqs
         rows.append({"kv_cache_dtype": mix_text(layer_specs(spec, config.num_layers)),
                      "bytes_per_token": block_bytes / block,
                      "capacity_tokens": (budget_bytes - (seqs * window if window else 0)) // block_bytes * block,

@@ -1,11 +1,14 @@
 """Full-precision windows: the recent tokens of each running request that a windowed codec
-(KIVI) keeps in the model's dtype beside its quantized blocks.
+(KIVI) keeps in full precision beside its quantized blocks: the model's dtype, fp16 for fp32
+models (`window_dtype`).
 
     ring   [num_layers, 2, num_slots, size, kvh, d]   position p of a request lives at p % size
 
 One slot per running request, taken when it is first scheduled and given back when it
 finishes or is preempted. The arena is carved from the same kv_cache_memory as the blocks,
-so its slot count bounds how many requests run at once (`window_slots`).
+so its slot count bounds how many requests run at once (`window_slots`); its share of the budget
+is planned for max_model_len requests (`arena_share`). The split is fixed at startup: windows
+and blocks are separate tensors, so an idle window's bytes cannot hold blocks.
 """
 
 from __future__ import annotations
@@ -17,18 +20,37 @@ import torch
 
 from threefold.errors import ThreefoldError
 
-ARENA_FRACTION = 0.5
-"""The arena takes at most this share of the budget: the rest holds the blocks. (A window of
-R + B tokens in bf16 weighs as much as ~5 R kivi2 tokens: a larger share buys concurrency with
-context, a smaller one context with concurrency; half keeps both within 2x of their best.)"""
+ARENA_SHARE = (0.25, 0.5)
+"""Bounds of the arena's share of the budget (the rest holds the blocks). Within them the share is
+planned so that every window comes with the blocks of one max_model_len request: W / (W + blocks),
+which gives the most concurrent requests at that length. The floor keeps long-context engines
+at 3/4 of the budget in blocks (kivi2 then holds up to 0.75 x 5.3 = 4x bf16's sequences at long
+contexts); the ceiling keeps short ones from starving the blocks (a window of R + B tokens in
+the model's dtype weighs as much as ~5 R kivi2 tokens)."""
 
 
-def window_slots(budget: int, bytes_per_slot: int, max_num_seqs: int) -> int:
-    """How many windows the budget gives (never more than max_num_seqs); raises when not one fits."""
-    slots = min(max_num_seqs, int(budget * ARENA_FRACTION) // bytes_per_slot)
+def arena_share(bytes_per_slot: int, plan_bytes: int) -> float:
+    """The arena's share of the budget for windows of `bytes_per_slot` beside requests whose blocks
+    take `plan_bytes` (one max_model_len request; 0: unknown, the ceiling)."""
+    low, high = ARENA_SHARE
+    return min(high, max(low, bytes_per_slot / (bytes_per_slot + plan_bytes)))
+
+
+def window_dtype(compute: torch.dtype) -> torch.dtype:
+    """The windows' dtype: the model's, but fp16 where it computes in fp32. KIVI's "full precision"
+    is fp16 (its models run in fp16); fp32 windows would double the bytes that bound how many
+    requests run at once, for a rounding (2^-11 relative) below what the 2/4-bit blocks add."""
+    return torch.float16 if compute == torch.float32 else compute
+
+
+def window_slots(budget: int, bytes_per_slot: int, max_num_seqs: int, plan_bytes: int = 0) -> int:
+    """How many windows the budget gives (never more than max_num_seqs); raises when not one fits.
+    plan_bytes: the blocks of one max_model_len request (`arena_share`)."""
+    share = arena_share(bytes_per_slot, plan_bytes)
+    slots = min(max_num_seqs, int(budget * share) // bytes_per_slot)
     if slots < 1:
         raise ThreefoldError(f"kv_cache_memory={budget} bytes cannot hold one request's full-precision window "
-                             f"({bytes_per_slot} bytes, at most {ARENA_FRACTION:.0%} of the budget); raise "
+                             f"({bytes_per_slot} bytes, at most {share:.0%} of the budget); raise "
                              f"kv_cache_memory or lower the codec's residual.", param="kv_cache_memory")
     return slots
 

@@ -125,7 +125,7 @@ class KiviAttention:
         rows, slots, positions = self._step_plan().ring_writes
         if len(rows):
             ring = self._ring(layer_idx)
-            ring[:, slots, positions] = torch.stack([k.index_select(0, rows), v.index_select(0, rows)])
+            ring[:, slots, positions] = torch.stack([k.index_select(0, rows), v.index_select(0, rows)]).to(ring.dtype)
         return dense
 
     def _write(self, layer_idx: int, codec: WindowedCodec, residual: int, r: KiviRequest, k: torch.Tensor,
@@ -133,6 +133,7 @@ class KiviAttention:
         """Encode completed blocks, update the ring; return the exact K/V of positions [lo, ctx + len)."""
         ctx, hi, bs, size = r.context_len, r.context_len + r.query_len, self.block_size, self.arena.size
         ring = self._ring(layer_idx)[:, r.window.slot]  # [2, size, kvh, d]
+        k, v = k.to(ring.dtype), v.to(ring.dtype)  # the window's precision (kv/window.py: window_dtype)
         lo = min(ctx - ctx % bs, self.quantized_len(r.window, ctx + 1, residual))
         before = ring.index_select(1, torch.arange(lo, ctx, device=k.device) % size)
         dk, dv = torch.cat([before[0], k]), torch.cat([before[1], v])
@@ -215,8 +216,8 @@ class KiviAttention:
         ctx, hi = r.context_len, r.context_len + r.query_len
         num_quantized = self.quantized_len(r.window, hi, residual)
         kq, vq = codec.read_blocks(self.cache.layers[layer_idx], r.block_ids[: num_quantized // self.block_size])
-        keys = torch.cat([kq, dk]).transpose(0, 1).unsqueeze(0)  # [1, kvh, keys, d]
-        values = torch.cat([vq, dv]).transpose(0, 1).unsqueeze(0)
+        keys = torch.cat([kq, dk.to(kq.dtype)]).transpose(0, 1).unsqueeze(0)  # [1, kvh, keys, d]
+        values = torch.cat([vq, dv.to(vq.dtype)]).transpose(0, 1).unsqueeze(0)
         device = q.device
         key_pos = torch.cat([torch.arange(num_quantized, device=device), torch.arange(lo, hi, device=device)])
         is_quantized = torch.arange(len(key_pos), device=device) < num_quantized

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from threefold.kv.codec import KVCodec
+from threefold.kv.window import window_dtype
 from threefold.model.llama import CausalLM, Rotary
 
 
@@ -32,6 +33,7 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 def windowed_attention(codec, block_size: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention where row p reads keys below nq(p + 1) from the codec's blocks, the rest exact."""
     n, kvh, d = k.shape
+    k, v = (t.to(window_dtype(t.dtype)).to(t.dtype) for t in (k, v))  # what the engine's window holds
     num_blocks = -(-n // block_size)
     pad = num_blocks * block_size - n
     storage = codec.allocate(num_blocks, block_size, k.device)

@@ -19,7 +19,7 @@ from threefold.kv.codec import KVCodec
 from threefold.kv.mix import layer_specs, mix_text
 from threefold.kv.paged import PagedKVCache
 from threefold.kv.registry import make_codec
-from threefold.kv.window import WindowArena
+from threefold.kv.window import WindowArena, window_dtype
 from threefold.model.loader import LoadedModel
 from threefold.sample.sampler import Sampler, SamplingMetadata, compute_logprobs_tensors
 from threefold.spec.config import SpeculativeConfig
@@ -82,13 +82,14 @@ class ModelRunner:
         if not self.window_tokens:
             return 0
         return WindowArena.bytes_per_slot(len(self.window_layers), self.window_tokens, self.config.num_kv_heads,
-                                          self.config.head_dim, self.config.dtype)
+                                          self.config.head_dim, window_dtype(self.config.dtype))
 
     def initialize_kv_cache(self, num_blocks: int, num_windows: int = 0) -> None:
         self.kv_cache = PagedKVCache(self.codecs, self.config.num_layers, num_blocks, self.block_size, self.device)
         if self.window_tokens:
             self.windows = WindowArena(len(self.window_layers), num_windows, self.window_tokens,
-                                       self.config.num_kv_heads, self.config.head_dim, self.config.dtype, self.device)
+                                       self.config.num_kv_heads, self.config.head_dim,
+                                       window_dtype(self.config.dtype), self.device)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
