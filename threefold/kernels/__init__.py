@@ -22,6 +22,8 @@ PyTorch path, which computes the same thing. A build takes about a minute on 2 c
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -142,6 +144,21 @@ def _ensure_ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join([*dirs, os.environ.get("PATH", "")])
 
 
+@contextlib.contextmanager
+def _building(build_dir: Path):
+    """Hold the build folder for one process at a time, with a lock the kernel releases when its holder
+    dies. torch's own `lock` file (a FileBaton: waiters poll until it is deleted) outlives a build that
+    was killed (a Ctrl-C during the first build, a timeout), and then every later load waits on it
+    forever; under this lock no other threefold process is building here, so such a file is stale."""
+    with open(build_dir / ".threefold-build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing a stale kernel build lock left by an interrupted build: %s", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 @functools.cache
 def build_kernels(target: str = "native") -> ModuleType:
     """Builds (or loads the cached build of) the kernels for `target`, one of TARGETS.
@@ -153,16 +170,17 @@ def build_kernels(target: str = "native") -> ModuleType:
     sources, flags = _sources(), _flags(target)
     build_dir = _build_dir(target, sources, flags)
     build_dir.mkdir(parents=True, exist_ok=True)
-    bindings = build_dir / "bindings.cpp"
-    text = _bindings(sources)
-    if not bindings.exists() or bindings.read_text() != text:  # rewritten only on change: ninja keeps the .o
-        bindings.write_text(text)
     _ensure_ninja_on_path()
     logger.info("loading CPU kernels for %s (the first build takes about a minute) from %s", target, build_dir)
-    return cpp_extension.load(
-        name="threefold_kernels_" + target.replace("-", "_"), sources=[str(bindings), *map(str, sources)],
-        extra_cflags=flags, extra_include_paths=[str(_DIR)], extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir), verbose=False)
+    with _building(build_dir):
+        bindings = build_dir / "bindings.cpp"
+        text = _bindings(sources)
+        if not bindings.exists() or bindings.read_text() != text:  # rewritten only on change: ninja keeps the .o
+            bindings.write_text(text)
+        return cpp_extension.load(
+            name="threefold_kernels_" + target.replace("-", "_"), sources=[str(bindings), *map(str, sources)],
+            extra_cflags=flags, extra_include_paths=[str(_DIR)], extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir), verbose=False)
 
 
 RUN_AS_TARGET = {"avx2": "x86-64-v3"}
