@@ -12,15 +12,12 @@ in the writer's queue: a queued block is read from there (a write buffer), count
 it is queued for, so a block L2 dropped before the writer reached it is not lost to this process.
 
 The writer keeps to a CPU budget while the engine is busy: on 2 cores every CPU-second it spends is
-taken from the engine's compute threads, and costs them about twice that in wall time (the OpenMP
-thread it displaces holds the other at the region's barrier). While steps run it may spend
-`writer_cpu_share` of wall time (a token bucket, refilled at that rate, holding at most WRITER_BURST_S);
-the default is 0: below L2 it writes only once no step has run for IDLE_AFTER_S, unthrottled. Measured
-idle on 2 cores with no reuse (BENCHMARKS.md): a 1% share cost +2.5 to +3.7% throughput, 0 costs +0.05%.
-What waits in the queue stays readable (a write buffer, above); beyond MAX_PENDING_BYTES a put is
-dropped and counted (`dropped_writes`), so under saturating traffic with no idle gap the tiers below
-L2 get nothing until one comes; any idle gap, `flush` and `close` (a graceful shutdown) write the
-queue out. Durability: a block is in L3/L4 once its queued write ran;
+taken from the engine's compute threads. While steps run it may spend `writer_cpu_share` of wall time
+(a token bucket, refilled at that rate, holding at most WRITER_BURST_S); once no step has run for
+IDLE_AFTER_S it writes unthrottled. What it cannot write waits in its queue (MAX_PENDING_BYTES) and
+beyond that is dropped and counted (`dropped_writes`), so under saturating traffic with no idle time
+the tiers below L2 hold a sample of the blocks, not all; any idle gap, `flush` and `close` (a
+graceful shutdown) write the queue out. Durability: a block is in L3/L4 once its queued write ran;
 what was queued at a crash is lost (recomputed if needed).
 
 Payloads are opaque bytes (the engine's encoded KV block); this package never imports torch. Keys are
@@ -49,8 +46,8 @@ READ_CHUNK = 32
 """Blocks per batched read (a Redis MGET of SmolLM2's fp32 blocks: 23 MiB, one round trip instead of 32)."""
 MAX_PENDING_BYTES = 256 << 20
 """Bytes queued for the writer at most; beyond it a put is dropped and counted (an engine step never waits)."""
-WRITER_CPU_SHARE = 0.0
-"""The writer's CPU time as a share of wall time while the engine is busy (idle: unlimited); 0: idle gaps only."""
+WRITER_CPU_SHARE = 0.01
+"""The writer's CPU time as a share of wall time while the engine is busy (idle: unlimited)."""
 WRITER_BURST_S = 0.01
 """CPU seconds of writes the writer may bank while within its share (a burst after a quiet stretch): about
 ten O_DIRECT disk blocks. Small on purpose: the bank is full whenever a busy stretch starts after an idle
