@@ -41,6 +41,8 @@ RUN_AS_ENV = {
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
 }
 """The environment that caps torch's kernels (ATen, oneDNN, MKL) to a class, per class one can run as."""
+RUN_AS_HIDDEN = {"avx2": ("avx512", "amx")}
+"""The flag prefixes a CPU running as each class no longer reports."""
 
 
 @dataclass(frozen=True)
@@ -96,11 +98,6 @@ def classify(flags: frozenset[str] | set[str]) -> str:
     return "other"
 
 
-def _keeps(run_as: str, flag: str) -> bool:
-    """Whether a CPU running as class `run_as` (avx2) keeps `flag`."""
-    return not flag.startswith(("avx512", "amx"))
-
-
 def run_as_class() -> str | None:
     """$THREEFOLD_CPU_CLASS, checked: a class in RUN_AS_ENV no higher than this CPU's own."""
     wanted = Env.read().cpu_class
@@ -118,7 +115,7 @@ def run_as_class() -> str | None:
 
 def _flags() -> frozenset[str]:
     flags, run_as = _proc_cpuinfo()[1], run_as_class()
-    return flags if run_as is None else frozenset(f for f in flags if _keeps(run_as, f))
+    return flags if run_as is None else frozenset(f for f in flags if not f.startswith(RUN_AS_HIDDEN[run_as]))
 
 
 def cpu_class() -> str:
