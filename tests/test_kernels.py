@@ -69,6 +69,19 @@ def test_a_build_lock_left_by_an_interrupted_build_does_not_hang_the_next_load()
     assert not stale.exists()
 
 
+def test_a_build_compiles_copies_in_its_own_folder_so_every_checkout_shares_it():
+    """ninja names files by absolute path: a build from the checkout's own files was rebuilt in every checkout."""
+    if "x86-64-v2" not in available_targets():
+        pytest.skip("no x86-64-v2 build on this machine")
+    from threefold.kernels import _DIR, _build_dir, _flags, _sources
+
+    build_kernels("x86-64-v2")
+    build_dir = _build_dir("x86-64-v2", _sources(), _flags("x86-64-v2"))
+    ninja = (build_dir / "build.ninja").read_text()
+    assert str(_DIR) not in ninja and str(build_dir / "src" / "linear.cpp") in ninja
+    assert (build_dir / "src" / "kernel_common.h").read_text() == (_DIR / "kernel_common.h").read_text()
+
+
 def _tolerance(dtype: torch.dtype) -> dict:
     # fp32: summation order only. bf16: both sides round to bf16 (8 bits of mantissa), the
     # reference at more intermediate steps, so a few ulps at the outputs' magnitude (~1).

@@ -173,14 +173,30 @@ def build_kernels(target: str = "native") -> ModuleType:
     _ensure_ninja_on_path()
     logger.info("loading CPU kernels for %s (the first build takes about a minute) from %s", target, build_dir)
     with _building(build_dir):
+        staged = _staged(build_dir, sources)
         bindings = build_dir / "bindings.cpp"
-        text = _bindings(sources)
-        if not bindings.exists() or bindings.read_text() != text:  # rewritten only on change: ninja keeps the .o
-            bindings.write_text(text)
+        _write_if_changed(bindings, _bindings(sources))
         return cpp_extension.load(
-            name="threefold_kernels_" + target.replace("-", "_"), sources=[str(bindings), *map(str, sources)],
-            extra_cflags=flags, extra_include_paths=[str(_DIR)], extra_ldflags=["-fopenmp"],
+            name="threefold_kernels_" + target.replace("-", "_"), sources=[str(bindings), *map(str, staged)],
+            extra_cflags=flags, extra_include_paths=[str(staged[0].parent)], extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir), verbose=False)
+
+
+def _staged(build_dir: Path, sources: list[Path]) -> list[Path]:
+    """Copies of the sources and headers inside the build folder, which is keyed by their content. ninja
+    names files by absolute path, so compiling each checkout's own files rebuilt the same kernels in
+    every checkout (2-3 minutes each); compiled from these copies, every checkout shares one build."""
+    staging = build_dir / "src"
+    staging.mkdir(exist_ok=True)
+    for path in [*sources, *_DIR.glob("*.h")]:
+        _write_if_changed(staging / path.name, path.read_text())
+    return [staging / path.name for path in sources]
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    """Rewritten only on change: an unchanged file keeps its time, so ninja keeps its objects."""
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
 
 
 RUN_AS_TARGET = {"avx2": "x86-64-v3"}
