@@ -6,7 +6,8 @@ Every prompt is unique random tokens, so no block is ever loaded back: all "on" 
 of each newly full block (the gather after the forward, the copy into L2, the writer thread's framing,
 checksum and O_DIRECT disk write). The question is whether that costs under 3% of throughput.
 
-The writer keeps to a CPU share (kvstore/store.py, default 1%) while steps run and writes the rest of
+The writer writes only as its backlog demands while steps run (kvstore/store.py: nothing while its queue
+is under a quarter full, then a share rising with the backlog), and writes the rest of
 its queue once the engine is idle. Each "on" run is timed twice: to its last token (throughput: the
 target) and until its last block is written (`flush`, the idle drain included), and the next run
 starts only after the drain either way, so no arm runs beside the other's writes.

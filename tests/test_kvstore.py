@@ -429,6 +429,48 @@ def test_the_writer_keeps_to_its_cpu_share_while_steps_run_and_drains_when_idle(
         assert store.flush(5)
 
 
+def test_the_writer_share_follows_its_backlog_so_a_steady_producer_loses_nothing():
+    # 30 blocks over 1.5 s while a step runs, 5 ms of writer CPU each: 10% of wall time. A queue of 12
+    # blocks overflows at a fixed 1% share (what was the default: 3-4 writes in 1.5 s) and at 0; the
+    # backlog share rises past 10% once the queue is about half full, and holds it there.
+    tier = SlowTier(cpu_s=0.005)
+    with TieredKVStore(OffloadConfig(), NS, tiers=[tier], max_pending_bytes=12 * 64, writer_cpu_share=0.0) as store:
+        store.engine_step(running=True)
+        assert store.busy_share() == 0.0  # an empty queue: no writes while steps run
+        for i in range(30):
+            store.put(*block(i, 64))
+            time.sleep(0.05)
+        busy = store.stats()
+        assert busy.dropped_writes == 0 and busy.pending_writes < 12
+        assert busy.writer_cpu_seconds < 0.5 * 1.5 + 0.01 + 0.05  # never past the highest share
+        store.engine_step(running=False)
+        assert store.flush(5) and len(tier.held) == 30
+    with TieredKVStore(OffloadConfig(), NS, tiers=[SlowTier(0.005)], max_pending_bytes=12 * 64,
+                       writer_cpu_share=0.01, backlog_share=0.0) as store:  # the old fixed share, for contrast
+        store.engine_step(running=True)
+        for i in range(30):
+            store.put(*block(i, 64))
+            time.sleep(0.05)
+        assert store.stats().dropped_writes > 0
+
+
+def test_the_writer_writes_only_once_its_backlog_passes_a_quarter_of_the_queue():
+    with TieredKVStore(OffloadConfig(), NS, tiers=[SlowTier(0.06)], max_pending_bytes=8 * 64,
+                       writer_cpu_share=0.0) as store:
+        store.engine_step(running=True)
+        for i in range(3):  # the burst takes one; two left: 2/8 of the queue, not past a quarter
+            store.put(*block(i, 64))
+        assert not store.flush(0.4) and store.stats().pending_writes == 2
+        assert store.busy_share() == 0.0
+        for i in range(3, 8):  # 7/8 full: share 0.5 x (7/8 - 1/4) / (3/4) = 5/12
+            store.put(*block(i, 64))
+        assert abs(store.busy_share() - 5 / 12) < 0.07  # the writer may have taken one already
+        time.sleep(0.6)
+        assert store.stats().pending_writes <= 5  # it wrote while the step ran
+        store.engine_step(running=False)
+        assert store.flush(5)
+
+
 def test_a_block_still_in_the_writer_queue_is_found_and_read_from_it_after_l2_dropped_it():
     slow = SlowTier(0.02)  # the 10 ms burst covers one write
     (h0, p0), (h1, p1) = block(0, 64), block(1, 64)

@@ -12,12 +12,15 @@ in the writer's queue: a queued block is read from there (a write buffer), count
 it is queued for, so a block L2 dropped before the writer reached it is not lost to this process.
 
 The writer keeps to a CPU budget while the engine is busy: on 2 cores every CPU-second it spends is
-taken from the engine's compute threads. While steps run it may spend `writer_cpu_share` of wall time
-(a token bucket, refilled at that rate, holding at most WRITER_BURST_S); once no step has run for
-IDLE_AFTER_S it writes unthrottled. What it cannot write waits in its queue (MAX_PENDING_BYTES) and
-beyond that is dropped and counted (`dropped_writes`), so under saturating traffic with no idle time
-the tiers below L2 hold a sample of the blocks, not all; any idle gap, `flush` and `close` (a
-graceful shutdown) write the queue out. Durability: a block is in L3/L4 once its queued write ran;
+taken from the engine's compute threads (and costs them about twice that: the other thread of an
+OpenMP region waits for it at the barrier). So while steps run it writes only as its backlog demands:
+nothing while the queue holds under BACKLOG_FREE of MAX_PENDING_BYTES (the idle gaps drain it), then a
+CPU share of wall time that rises in proportion to the backlog, up to `backlog_share` at a full queue
+(a token bucket refilled at that share, holding at most WRITER_BURST_S); once no step has run for
+IDLE_AFTER_S it writes unthrottled. A put beyond a full queue is dropped and counted
+(`dropped_writes`): only traffic that outruns the writer at its highest share, with no idle time,
+leaves the tiers below L2 with a sample of the blocks; any idle gap, `flush` and `close` (a graceful
+shutdown) write the queue out. Durability: a block is in L3/L4 once its queued write ran;
 what was queued at a crash is lost (recomputed if needed).
 
 Payloads are opaque bytes (the engine's encoded KV block); this package never imports torch. Keys are
@@ -46,8 +49,14 @@ READ_CHUNK = 32
 """Blocks per batched read (a Redis MGET of SmolLM2's fp32 blocks: 23 MiB, one round trip instead of 32)."""
 MAX_PENDING_BYTES = 256 << 20
 """Bytes queued for the writer at most; beyond it a put is dropped and counted (an engine step never waits)."""
-WRITER_CPU_SHARE = 0.01
-"""The writer's CPU time as a share of wall time while the engine is busy (idle: unlimited)."""
+WRITER_CPU_SHARE = 0.0
+"""The writer's CPU time as a share of wall time while the engine is busy and its backlog short (idle:
+unlimited). 0: a 1% share cost 2.5-3.7% of throughput on 2 cores with no reuse (BENCHMARKS.md, KV tiers)."""
+BACKLOG_FREE = 0.25
+"""The share of MAX_PENDING_BYTES the queue may hold before the writer writes while steps run."""
+WRITER_BACKLOG_SHARE = 0.5
+"""The writer's CPU share while the engine is busy and its queue is full; in proportion from BACKLOG_FREE
+up. A steady producer settles the queue where this share keeps up with it, before it drops."""
 WRITER_BURST_S = 0.01
 """CPU seconds of writes the writer may bank while within its share (a burst after a quiet stretch): about
 ten O_DIRECT disk blocks. Small on purpose: the bank is full whenever a busy stretch starts after an idle
@@ -75,7 +84,8 @@ class TieredKVStore:
     and get from its thread while one writer thread fills the slower tiers."""
 
     def __init__(self, config: OffloadConfig, namespace: Namespace, tiers: list[Tier] | None = None,
-                 max_pending_bytes: int = MAX_PENDING_BYTES, writer_cpu_share: float = WRITER_CPU_SHARE) -> None:
+                 max_pending_bytes: int = MAX_PENDING_BYTES, writer_cpu_share: float = WRITER_CPU_SHARE,
+                 backlog_share: float = WRITER_BACKLOG_SHARE) -> None:
         self.config, self.namespace = config, namespace
         self.tiers = build_tiers(config) if tiers is None else tiers
         first = self.tiers[0] if self.tiers else None
@@ -93,6 +103,8 @@ class TieredKVStore:
         self._closed = False
         self.writer_cpu_share = writer_cpu_share
         """CPU share of wall time the writer may spend while the engine is busy (1.0: no limit)."""
+        self.backlog_share = backlog_share
+        """The share it may rise to as its queue fills (the larger of the two applies)."""
         self._step_running = False
         self._busy_at = -math.inf  # monotonic time the engine last started or ended a step
         self._credit, self._refilled = WRITER_BURST_S, time.monotonic()
@@ -376,14 +388,21 @@ class TieredKVStore:
         """Wait until the writer may write: at once while the engine is idle or the store closing (the
         write is then not charged: False), else once the bucket holds credit (True: charge it)."""
         while True:
-            now = time.monotonic()
-            self._credit = min(WRITER_BURST_S, self._credit + (now - self._refilled) * self.writer_cpu_share)
+            now, share = time.monotonic(), self.busy_share()
+            self._credit = min(WRITER_BURST_S, self._credit + (now - self._refilled) * share)
             self._refilled = now
             idle = not self._step_running and now - self._busy_at >= IDLE_AFTER_S
-            if self._closed or idle or self.writer_cpu_share >= 1.0:
+            if self._closed or idle or share >= 1.0:
                 return False
             if self._credit > 0:
                 return True
-            wait = -self._credit / self.writer_cpu_share if self.writer_cpu_share > 0 else math.inf
-            with self._cond:  # woken early by close(); idleness is noticed within IDLE_AFTER_S
+            wait = -self._credit / share if share > 0 else math.inf
+            with self._cond:  # woken early by a put (the backlog grew) or close(); idleness within IDLE_AFTER_S
                 self._cond.wait(min(wait, IDLE_AFTER_S))
+
+    def busy_share(self) -> float:
+        """The writer's CPU share of wall time while the engine is busy, for its backlog now: its base
+        share, or more as the queue fills past BACKLOG_FREE, rising linearly to `backlog_share` when full."""
+        fill = self._pending_bytes / self._max_pending_bytes if self._max_pending_bytes > 0 else 1.0
+        rise = min(1.0, max(0.0, (fill - BACKLOG_FREE) / (1.0 - BACKLOG_FREE)))
+        return max(self.writer_cpu_share, self.backlog_share * rise)
