@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from threefold.cpu import cpu_info
 from threefold.kernels import build_kernels
 
+_NO_TREE = torch.empty(0, dtype=torch.long)  # paged_decode_attention's tree mask: none
+
 HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
 
 
@@ -98,7 +100,7 @@ def bench_attention(kernels, reps: int) -> None:
             q = torch.randn(batch, heads, head_dim).to(dtype)
             out = torch.empty_like(q)
             ms = median_ms(lambda out=out, q=q, cache=cache, tables=tables, lens=lens: kernels.paged_decode_attention(
-                out, q, cache[0], cache[1], tables, lens, head_dim ** -0.5, 0), reps)
+                out, q, cache[0], cache[1], tables, lens, head_dim ** -0.5, 0, _NO_TREE, _NO_TREE), reps)
             kv_bytes = 2 * batch * context * kv_heads * head_dim * cache.element_size()
             print(f"  {dtype!s:>14} context {context:>5}: {ms:7.3f} ms  {kv_bytes / ms / 1e6:6.1f} GB/s")
 
