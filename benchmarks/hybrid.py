@@ -259,8 +259,9 @@ def print_table(rows: list[dict]) -> None:
 def print_steps(cells: list[dict]) -> None:
     """The step log, pooled over rounds: what each schedule's steps carried and how long they took."""
     print("\n| load | schedule | steps: offline-only / with online | with an online prompt | online seqs a step "
-          "| online-decode step p50 ms | offline tokens alone / beside online (decodes) | measured/predicted p50 |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| online-decode step p50 ms | offline tokens alone / beside online (decodes) | measured/predicted p50 "
+          "(mixed, offline-only) | offline-only: tokens a step, step p50 ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     groups: dict[tuple[float, str], list[dict]] = {}
     for cell in cells:
         groups.setdefault((cell["load"], cell["schedule"]), []).append(cell)
@@ -271,12 +272,22 @@ def print_steps(cells: list[dict]) -> None:
         seqs = sum(b["online_seqs_mean"] * b["steps"] for b in busy) / max(steps, 1)
         decode_p50s = [b["decode_only_p50"] for b in busy if b["decode_only_p50"] == b["decode_only_p50"]]
         decode_p50 = statistics.median(decode_p50s) if decode_p50s else float("nan")
-        ratio = [c["steps"]["mixed"]["measured_over_predicted_p50"] for c in group if c["steps"]["mixed"]["steps"]]
-        error = statistics.mean(ratio) if ratio else float("nan")
+        error, error_alone = (_mean_ratio(group, kind) for kind in ("mixed", "offline-only"))
+        num_alone = sum(a["steps"] for a in alone)
+        per_step = sum(a["offline_tokens"] for a in alone) / max(num_alone, 1)
+        alone_p50s = [a["measured_p50"] for a in alone if a["steps"]]
+        alone_p50 = statistics.median(alone_p50s) if alone_p50s else float("nan")
         print(f"| {load:.0%} | {name} | {sum(a['steps'] for a in alone)} / {steps} | "
               f"{sum(b['with_online_prefill'] for b in busy)} | {seqs:.1f} | {decode_p50 * 1e3:.0f} | "
               f"{sum(a['offline_tokens'] for a in alone)} / {sum(b['offline_tokens'] for b in busy)} "
-              f"({sum(b['offline_decodes'] for b in busy)}) | {error:.2f} |")
+              f"({sum(b['offline_decodes'] for b in busy)}) | {error:.2f}, {error_alone:.2f} | "
+              f"{per_step:.0f}, {alone_p50 * 1e3:.0f} |")
+
+
+def _mean_ratio(cells: list[dict], kind: str) -> float:
+    """Mean over cells of the p50 measured / predicted step time of one kind of step (nan: none ran)."""
+    ratios = [c["steps"][kind]["measured_over_predicted_p50"] for c in cells if c["steps"][kind]["steps"]]
+    return statistics.mean(ratios) if ratios else float("nan")
 
 
 def parse_args() -> argparse.Namespace:
@@ -374,11 +385,18 @@ def main() -> None:
         capacity, probe = probe_capacity(loaded, base, online, upper, slo.online_itl_slo, ns.probe_duration,
                                          ns.probe_steps)
     print(f"capacity: {capacity:.3f} online requests/s (all at once: {upper:.3f})", flush=True)
-    alone = {policy: run(loaded, base, policy, [], ns.duration, online, offline)["offline_tok_s"]
-             for policy in ("fcfs", "hybrid")}
+    alone_cells = {policy: run(loaded, base, policy, [], ns.duration, online, offline) for policy in ("fcfs", "hybrid")}
+    alone = {policy: cell["offline_tok_s"] for policy, cell in alone_cells.items()}
     print(f"offline alone: {alone['fcfs']:.1f} tok/s whole steps, {alone['hybrid']:.1f} tok/s capped", flush=True)
+    for policy, cell in alone_cells.items():
+        steps = cell["steps"]["offline-only"]
+        print(f"  {policy}: {steps['steps']} steps, {steps['offline_tokens'] / max(steps['steps'], 1):.0f} tokens "
+              f"({steps['offline_decodes'] / max(steps['steps'], 1):.1f} decodes) a step, p50 "
+              f"{steps['measured_p50'] * 1e3:.0f} ms, measured/predicted p50 "
+              f"{steps['measured_over_predicted_p50']:.2f}", flush=True)
     run_info = {"cpu": str(cpu), "capacity_rps": capacity, "saturated_rps": upper, "probe": probe,
-                "offline_alone_tok_s": alone, "args": vars(ns)}
+                "offline_alone_tok_s": alone, "offline_alone_steps": {p: c["steps"] for p, c in alone_cells.items()},
+                "args": vars(ns)}
     cells: list[dict] = []
     extra = [float(x) for x in ns.slowdowns.split(",") if x]
     for round_ in range(ns.rounds):

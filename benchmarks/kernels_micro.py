@@ -6,7 +6,9 @@ linear: one pass over all 30 layers' weights (qkv 960x576, o 576x576, gate_up 30
 down 576x1536), so the weights stream from DRAM as in decode, not one matrix hot in
 cache; then the lm_head (49152x576) alone. For M = 1..16 rows: torch F.linear fp32 (MKL),
 torch bf16 (oneDNN), and linear_small fp32, bf16 and mixed (fp32 x, bf16 w).
-argmax: [M, 49152] logits. attention: paged decode at a few context lengths.
+argmax: [M, 49152] logits. attention: paged decode at a few context lengths. tree: one layer's
+attention for candidate-tree verifies (12-node trees, EAGLE-2's size in benchmarks/spec_decode.py)
+through the worker's two paths: the kernel's masked decode group vs the torch path's per-tree SDPA.
 Prints the CPU and its class with every run; times are medians (ms).
 """
 
@@ -22,6 +24,8 @@ import torch.nn.functional as F
 
 from threefold.cpu import cpu_info
 from threefold.kernels import build_kernels
+
+_NO_TREE = torch.empty(0, dtype=torch.long)  # paged_decode_attention's tree mask: none
 
 HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
 
@@ -98,9 +102,46 @@ def bench_attention(kernels, reps: int) -> None:
             q = torch.randn(batch, heads, head_dim).to(dtype)
             out = torch.empty_like(q)
             ms = median_ms(lambda out=out, q=q, cache=cache, tables=tables, lens=lens: kernels.paged_decode_attention(
-                out, q, cache[0], cache[1], tables, lens, head_dim ** -0.5, 0), reps)
+                out, q, cache[0], cache[1], tables, lens, head_dim ** -0.5, 0, _NO_TREE, _NO_TREE), reps)
             kv_bytes = 2 * batch * context * kv_heads * head_dim * cache.element_size()
             print(f"  {dtype!s:>14} context {context:>5}: {ms:7.3f} ms  {kv_bytes / ms / 1e6:6.1f} GB/s")
+
+
+def bench_tree(kernels, reps: int) -> None:
+    from threefold.kv.paged import PagedKVCache
+    from threefold.kv.registry import make_codec
+    from threefold.sample.params import SamplingParams
+    from threefold.worker.attention import PagedAttention
+    from threefold.worker.batch import CachedRequestState, build_batch
+    from threefold.worker.block_table import BlockTable
+
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    parents = [-1, -1, -1, -1, 0, 0, 1, 4, 4, 5, 7, 6]  # 12 nodes, depth 4: 4 roots' children, then narrowing
+    print(f"\ntree verify attention, one layer, SmolLM2 heads, {len(parents)}-node trees: ms kernel / torch")
+    for dtype in (torch.float32, torch.bfloat16):
+        for batch in (1, 8):
+            for context in (256, 1024):
+                table = BlockTable(block_size)
+                blocks = -(-(context + len(parents) + 1) // block_size)
+                states = [CachedRequestState(str(i), list(range(context + 1)), context + 1, SamplingParams(),
+                                             table.add_row(list(range(1 + i * blocks, 1 + (i + 1) * blocks))),
+                                             context, None) for i in range(batch)]
+                scheduled = {s.request_id: len(parents) + 1 for s in states}
+                drafts = {s.request_id: [7] * len(parents) for s in states}
+                trees = {s.request_id: parents for s in states}
+                cache = PagedKVCache(make_codec("auto", kv_heads, head_dim, dtype), 1, batch * blocks + 1, block_size,
+                                     torch.device("cpu"))
+                rows = batch * (len(parents) + 1)
+                q = torch.randn(rows, heads, head_dim).to(dtype)
+                k, v = (torch.randn(rows, kv_heads, head_dim).to(dtype) for _ in range(2))
+                times = []
+                for native in (True, False):
+                    step = build_batch(states, scheduled, drafts, table, torch.device("cpu"), native_decode=native,
+                                       trees=trees)
+                    attention = PagedAttention(cache, step.attn, head_dim ** -0.5, dtype, kernels if native else None)
+                    times.append(median_ms(functools.partial(attention, 0, q, k, v), reps))
+                print(f"  {dtype!s:>14} batch {batch} context {context:>5}: {times[0]:7.3f} / {times[1]:7.3f}"
+                      f"  ({times[1] / times[0]:.1f}x)")
 
 
 def bench_elementwise(kernels, reps: int) -> None:
@@ -122,12 +163,12 @@ def bench_elementwise(kernels, reps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="native", help="kernel build: native, x86-64-v3, x86-64-v2")
-    parser.add_argument("--only", choices=["linear", "argmax", "attention", "elementwise"])
+    parser.add_argument("--only", choices=["linear", "argmax", "attention", "tree", "elementwise"])
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
     kernels = build_kernels(args.target)
     print(f"CPU: {cpu_info().describe()} | kernel build {args.target} ({kernels.build_isa()})")
-    benches = {"linear": bench_linear, "argmax": bench_argmax, "attention": bench_attention,
+    benches = {"linear": bench_linear, "argmax": bench_argmax, "attention": bench_attention, "tree": bench_tree,
                "elementwise": bench_elementwise}
     for name, bench in benches.items():
         if args.only in (None, name):

@@ -21,6 +21,9 @@ from threefold.model.llama import Linear, apply_rope
 from threefold.sample.params import SamplingParams
 from threefold.sample.sampler import Sampler, SamplingMetadata
 
+NO_TREE = torch.empty(0, dtype=torch.long)
+"""paged_decode_attention's candidate-tree mask arguments when there is none."""
+
 
 @pytest.fixture(scope="module")
 def native_kernels():
@@ -128,7 +131,7 @@ def _check_decode_attention(kernels, dtype, heads, kv_heads, head_dim, block_siz
     q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    kernels.paged_decode_attention(out, q, cache[0], cache[1], tables, lens, scale, window)
+    kernels.paged_decode_attention(out, q, cache[0], cache[1], tables, lens, scale, window, NO_TREE, NO_TREE)
     expected = _reference_decode(q, cache[0], cache[1], tables, lens, scale, window)
     torch.testing.assert_close(out, expected, **_tolerance(dtype))
 
@@ -157,10 +160,11 @@ def test_paged_decode_attention_rejects_bad_input(kernels):
     cache = torch.zeros(3, 16, 2, 64)
     with pytest.raises(RuntimeError, match="int64"):
         kernels.paged_decode_attention(torch.empty_like(q), q, cache, cache, torch.zeros(2, 1, dtype=torch.int32),
-                                       torch.ones(2, dtype=torch.long), 1.0, 0)
+                                       torch.ones(2, dtype=torch.long), 1.0, 0, NO_TREE, NO_TREE)
     with pytest.raises(RuntimeError, match="multiple"):
         kernels.paged_decode_attention(torch.zeros(2, 3, 64), torch.zeros(2, 3, 64), cache, cache,
-                                       torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long), 1.0, 0)
+                                       torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long), 1.0, 0,
+                                       NO_TREE, NO_TREE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

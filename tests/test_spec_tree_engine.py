@@ -71,12 +71,24 @@ def check_blocks(llm) -> None:
     assert kv.pool.num_free_blocks + held == kv.pool.num_blocks - 1
 
 
-@pytest.mark.parametrize("engine_args", [
-    {"enable_prefix_caching": False},                                  # batched, the native kernel's decodes beside
-    {"enable_prefix_caching": False, "max_num_batched_tokens": 9},     # chunked prefill, trees cut by the budget
+@pytest.mark.parametrize("engine_args,attention", [
+    ({"enable_prefix_caching": False}, "kernel"),                               # batched: trees in the native kernel
+    ({"enable_prefix_caching": False}, "torch"),                                # the torch tree path (the reference)
+    ({"enable_prefix_caching": False, "max_num_batched_tokens": 9}, "kernel"),  # chunked prefill, trees cut short
 ])
-def test_tree_greedy_is_identical_and_frees_rejected_blocks(make_llm, reference, tree_proposer, engine_args):
+def test_tree_greedy_is_identical_and_frees_rejected_blocks(make_llm, reference, tree_proposer, engine_args,
+                                                            attention, monkeypatch):
+    from threefold.worker import batch
+
+    paths: list[str] = []  # which attention path each step's trees took
+    monkeypatch.setattr(batch, "_tree_decode_group", lambda *a, _f=batch._tree_decode_group: paths.append("kernel")
+                        or _f(*a))
+    monkeypatch.setattr(batch, "tree_group", lambda *a, _f=batch.tree_group: paths.append("torch") or _f(*a))
     llm = make_llm(speculative_config=TREE, **engine_args)
+    if attention == "torch":
+        llm.engine.core.runner.kernels = None
+    elif llm.engine.core.runner.kernels is None:
+        pytest.skip("no native kernels here (THREEFOLD_ATTENTION=torch or no compiler)")
     engine = llm.engine
     for i, prompt in enumerate(REPEATING + PROMPTS[:2]):
         engine.add_request(str(i), prompt, GREEDY)
@@ -92,6 +104,7 @@ def test_tree_greedy_is_identical_and_frees_rejected_blocks(make_llm, reference,
     stats = engine.get_stats()
     assert stats.spec_num_accepted_tokens > 0 and stats.kv_cache_usage == 0.0
     assert sum(stats.spec_num_accepted_tokens_per_pos) == stats.spec_num_accepted_tokens
+    assert paths and set(paths) == {attention}
 
 
 def test_tree_under_preemption_and_prefix_caching(make_llm, reference, tree_proposer):

@@ -88,14 +88,26 @@ class LinearStepModel:
         return sum(c * x for c, x in zip(self.coefficients, shape.features(), strict=True))
 
     def _refit(self) -> None:
-        size = len(self._xty)
-        matrix = [[*row, self._xty[i]] for i, row in enumerate(self._xtx)]
-        for i in range(size):
-            matrix[i][i] += self.ridge
-        solution = _solve(matrix)
-        # A negative cost would let more work look cheaper (noise, collinear features): clamp at zero.
-        self.coefficients = [max(c, 0.0) for c in solution]
+        # Non-negative least squares by an active set: solve, drop the most negative feature, re-solve on the
+        # rest. Clamping a negative coefficient to zero after one solve (the old rule) keeps the others fitted
+        # against it, so every prediction came out high by what the clamp removed: an over-charged step.
+        free = list(range(len(self._xty)))
+        while True:
+            solution = self._solve_on(free)
+            negative = [i for i in free if solution[i] < 0]
+            if not negative:
+                break
+            free.remove(min(negative, key=lambda i: solution[i]))
+        self.coefficients = solution
         self._dirty = False
+
+    def _solve_on(self, free: list[int]) -> list[float]:
+        """Ridge least squares over the features in `free`; the others' coefficients are zero."""
+        matrix = [[self._xtx[i][j] + (self.ridge if i == j else 0.0) for j in free] + [self._xty[i]] for i in free]
+        solution = [0.0] * len(self._xty)
+        for i, value in zip(free, _solve(matrix) if free else [], strict=True):
+            solution[i] = value
+        return solution
 
 
 def _solve(augmented: list[list[float]]) -> list[float]:

@@ -118,7 +118,9 @@ class EngineCore:
         from threefold.spec.runner import _dense_forward
         limit = self.scheduler.config.max_num_batched_tokens
         counts = tuple(n for n in HYBRID_PROFILE_TOKENS if n <= limit)
-        cost = profile_step_cost(lambda n: _dense_forward(self.loaded.model, n), counts, repeats=1)
+        # Best of two: the first forward of a process pays one-time setup, which a single timing
+        # charged to every later step as fixed cost until enough steps were measured.
+        cost = profile_step_cost(lambda n: _dense_forward(self.loaded.model, n), counts, repeats=2)
         profile = dict(zip(cost.tokens, cost.seconds, strict=True))
         controller = None if self.runner.spec is None else self.runner.spec.decoder.controller
         if controller is not None:

@@ -86,9 +86,11 @@ inline std::vector<int64_t> split_by_cost(const int64_t* lens, int64_t num_seqs,
   return bounds;
 }
 
+// mask: candidate-tree rows (kernel_common.h's TreeMask; inactive for plain decodes).
 template <int D, typename T>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window) {
+         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+         const threefold::TreeMask& mask = {}) {
   const DecodeArgs<T> a(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
   const std::vector<int64_t> bounds = split_by_cost(a.lens, a.num_seqs, a.num_kv_heads, window, 16);
   const int64_t num_parts = static_cast<int64_t>(bounds.size()) - 1;
@@ -101,6 +103,8 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
       const int64_t* table = a.tables + b * a.table_width;
+      const int64_t tree_start = mask.start(b, len);  // keys from here on: the tree mask decides
+      auto hidden = [&](int64_t t) { return t + first >= tree_start && !mask.visible(b, tree_start, t + first); };
       for (int64_t g = 0; g < a.group; ++g) {
         const T* src = a.q_ptr + b * a.q_seq + (kvh * a.group + g) * a.q_head;
         for (int64_t i = 0; i < a.head_dim; ++i) qf[g * a.head_dim + i] = to_float(src[i]) * a.fscale;
@@ -120,6 +124,10 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
       scores.assign(a.group * n, 0.f);
       // Pass 1: scores[g, t] for every key, each K row loaded (and widened) once for the G heads.
       for_each_row(a.k_ptr, [&](int64_t t, const T* krow) {
+        if (hidden(t)) {
+          for (int64_t g = 0; g < a.group; ++g) scores[g * n + t] = threefold::kHiddenScore;
+          return;
+        }
         widen<D>(krow, row.data(), a.head_dim);
         for (int64_t g = 0; g < a.group; ++g) scores[g * n + t] = dot<D>(qf.data() + g * a.head_dim, row.data(), a.head_dim);
       });
@@ -137,6 +145,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
       // Pass 2: acc[g] = sum_t p[g, t] * V[t], each V row loaded once.
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_row(a.v_ptr, [&](int64_t t, const T* vrow) {
+        if (hidden(t)) return;
         widen<D>(vrow, row.data(), a.head_dim);
         for (int64_t g = 0; g < a.group; ++g) axpy<D>(scores[g * n + t], row.data(), acc.data() + g * a.head_dim, a.head_dim);
       });

@@ -43,6 +43,45 @@ inline bool is_nan(float f) {
   return (bits & 0x7fffffffu) > 0x7f800000u;
 }
 
+// Candidate-tree verify rows (speculative decoding): row b sees every key before tree_starts[b]
+// and, from there on, key tree_starts[b] + j only where bit j of its words says so (the tree rows
+// that are b itself or its ancestors). Empty tensors: no row is masked.
+//   tree_starts [B] int64;  tree_bits [B, words] int64 (bit j: word j / 64, bit j % 64)
+struct TreeMask {
+  const int64_t* starts = nullptr;
+  const int64_t* bits = nullptr;
+  int64_t words = 0;
+
+  TreeMask() = default;
+  TreeMask(const at::Tensor& tree_starts, const at::Tensor& tree_bits, const at::Tensor& seq_lens) {
+    if (tree_starts.numel() == 0) return;
+    TORCH_CHECK(tree_starts.scalar_type() == at::kLong && tree_bits.scalar_type() == at::kLong &&
+                    tree_starts.is_contiguous() && tree_bits.is_contiguous() && tree_bits.dim() == 2 &&
+                    tree_starts.size(0) == seq_lens.size(0) && tree_bits.size(0) == seq_lens.size(0),
+                "tree_starts [B] and tree_bits [B, words] must be contiguous int64, one row per query");
+    starts = tree_starts.data_ptr<int64_t>();
+    bits = tree_bits.data_ptr<int64_t>();
+    words = tree_bits.size(1);
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    for (int64_t b = 0; b < seq_lens.size(0); ++b) {
+      TORCH_CHECK(starts[b] >= 0 && lens[b] - starts[b] <= 64 * words,
+                  "a tree row's keys past tree_starts must fit its tree_bits");
+    }
+  }
+
+  bool active() const { return starts != nullptr; }
+  // The first key of row b that the bits decide (past its keys where no mask is given).
+  int64_t start(int64_t b, int64_t len) const { return starts != nullptr ? starts[b] : len; }
+  bool visible(int64_t b, int64_t start, int64_t pos) const {
+    const int64_t j = pos - start;
+    return (static_cast<uint64_t>(bits[b * words + (j >> 6)]) >> (j & 63)) & 1u;
+  }
+};
+
+// The score a hidden key gets before the softmax: exp() of it underflows to 0 (finite, as
+// -ffast-math assumes; the row itself is always visible, so the maximum is a real score).
+constexpr float kHiddenScore = -1e30f;
+
 #ifdef THREEFOLD_AVX2
 // 8 floats from 8 fp32 or 8 bf16 values (bf16: zero-extend, shift into the top half).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

@@ -14,7 +14,8 @@
 //
 // Work item = (sequence, kv head), as in decode_attention.cpp's dense kernel: pass 1 scores, an
 // fp32 softmax, pass 2 the weighted sum of V. A prefill chunk reading its context runs through
-// the same kernel as q_len rows sharing one block table (row i sees context + i + 1 keys).
+// the same kernel as q_len rows sharing one block table (row i sees context + i + 1 keys); a
+// candidate tree's verify rows too, with their ancestor mask (kernel_common.h's TreeMask).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -94,7 +95,7 @@ struct Shape {
 template <int K, int D, typename T>
 void run(const at::Tensor& out, const at::Tensor& q, const Side& ks, const Side& vs, const float* lut,
          const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
-         const Shape& a) {
+         const Shape& a, const threefold::TreeMask& mask) {
   const T* q_ptr = q.data_ptr<T>();
   T* out_ptr = out.data_ptr<T>();
   const int64_t q_seq = q.stride(0), q_head = q.stride(1), o_seq = out.stride(0), o_head = out.stride(1);
@@ -111,6 +112,8 @@ void run(const at::Tensor& out, const at::Tensor& q, const Side& ks, const Side&
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
       const int64_t* table = tables + b * a.table_width;
+      const int64_t tree_start = mask.start(b, len);  // keys from here on: the tree mask decides
+      auto hidden = [&](int64_t t) { return t + first >= tree_start && !mask.visible(b, tree_start, t + first); };
       for (int64_t g = 0; g < a.group; ++g) {
         const T* src = q_ptr + b * q_seq + (kvh * a.group + g) * q_head;
         for (int64_t i = 0; i < a.head_dim; ++i) qf[g * a.head_dim + i] = to_float(src[i]) * fscale;
@@ -128,6 +131,10 @@ void run(const at::Tensor& out, const at::Tensor& q, const Side& ks, const Side&
       };
       scores.assign(a.group * n, 0.f);
       for_each_row([&](int64_t t, int64_t index) {
+        if (hidden(t)) {
+          for (int64_t g = 0; g < a.group; ++g) scores[g * n + t] = threefold::kHiddenScore;
+          return;
+        }
         ks.row<K, D>(index, lut, a.head_dim, row.data());
         for (int64_t g = 0; g < a.group; ++g) scores[g * n + t] = dot<D>(qf.data() + g * a.head_dim, row.data(), a.head_dim);
       });
@@ -143,6 +150,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const Side& ks, const Side&
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_row([&](int64_t t, int64_t index) {
+        if (hidden(t)) return;
         vs.row<K, D>(index, lut, a.head_dim, row.data());
         for (int64_t g = 0; g < a.group; ++g) axpy<D>(scores[g * n + t], row.data(), acc.data() + g * a.head_dim, a.head_dim);
       });
@@ -156,29 +164,31 @@ void run(const at::Tensor& out, const at::Tensor& q, const Side& ks, const Side&
 
 template <int K, typename T>
 void dispatch_dim(const at::Tensor& out, const at::Tensor& q, const Side& ks, const Side& vs, const float* lut,
-                  const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window, const Shape& a) {
+                  const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window, const Shape& a,
+                  const threefold::TreeMask& mask) {
   switch (a.head_dim) {
-    case 64: return run<K, 64, T>(out, q, ks, vs, lut, tables, lens, scale, window, a);
-    case 128: return run<K, 128, T>(out, q, ks, vs, lut, tables, lens, scale, window, a);
-    default: return run<K, 0, T>(out, q, ks, vs, lut, tables, lens, scale, window, a);
+    case 64: return run<K, 64, T>(out, q, ks, vs, lut, tables, lens, scale, window, a, mask);
+    case 128: return run<K, 128, T>(out, q, ks, vs, lut, tables, lens, scale, window, a, mask);
+    default: return run<K, 0, T>(out, q, ks, vs, lut, tables, lens, scale, window, a, mask);
   }
 }
 
 template <typename T>
 void dispatch_kind(int64_t kind, const at::Tensor& out, const at::Tensor& q, const Side& ks, const Side& vs,
                    const float* lut, const at::Tensor& tables, const at::Tensor& lens, double scale,
-                   int64_t window, const Shape& a) {
-  if (kind == kInt8) return dispatch_dim<kInt8, T>(out, q, ks, vs, lut, tables, lens, scale, window, a);
-  if (kind == kFp8) return dispatch_dim<kFp8, T>(out, q, ks, vs, lut, tables, lens, scale, window, a);
-  return dispatch_dim<kInt4, T>(out, q, ks, vs, lut, tables, lens, scale, window, a);
+                   int64_t window, const Shape& a, const threefold::TreeMask& mask) {
+  if (kind == kInt8) return dispatch_dim<kInt8, T>(out, q, ks, vs, lut, tables, lens, scale, window, a, mask);
+  if (kind == kFp8) return dispatch_dim<kFp8, T>(out, q, ks, vs, lut, tables, lens, scale, window, a, mask);
+  return dispatch_dim<kInt4, T>(out, q, ks, vs, lut, tables, lens, scale, window, a, mask);
 }
 
 }  // namespace
 
 // out, q: [B, H, d] (float32 or bfloat16, head_dim contiguous); codes/scales/zeros as above
 // (zeros: empty unless int4; lut: 256 fp32 for fp8, else empty); block_tables [B, width] int64;
-// seq_lens [B] int64 >= 1; window <= 0: no sliding window; kind: 0 int8, 1 fp8, 2 int4.
-void kv_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at::Tensor v_codes, at::Tensor k_scales, at::Tensor v_scales, at::Tensor k_zeros, at::Tensor v_zeros, at::Tensor lut, at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window, int64_t kind) {
+// seq_lens [B] int64 >= 1; window <= 0: no sliding window; kind: 0 int8, 1 fp8, 2 int4;
+// tree_starts [B], tree_bits [B, words] int64: a candidate tree's ancestor mask (empty: none).
+void kv_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at::Tensor v_codes, at::Tensor k_scales, at::Tensor v_scales, at::Tensor k_zeros, at::Tensor v_zeros, at::Tensor lut, at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window, int64_t kind, at::Tensor tree_starts, at::Tensor tree_bits) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.stride(2) == 1 && out.stride(2) == 1,
               "q and out must be [B, H, d] of one shape, head_dim contiguous");
   TORCH_CHECK(q.scalar_type() == out.scalar_type() &&
@@ -206,7 +216,8 @@ void kv_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at::T
                 block_tables.size(1)};
   const Side ks = side(k_codes, k_scales, k_zeros), vs = side(v_codes, v_scales, v_zeros);
   const float* table = kind == kFp8 ? lut.data_ptr<float>() : nullptr;
+  const threefold::TreeMask mask(tree_starts, tree_bits, seq_lens);
   if (q.scalar_type() == at::kBFloat16)
-    return dispatch_kind<at::BFloat16>(kind, out, q, ks, vs, table, block_tables, seq_lens, scale, window, a);
-  dispatch_kind<float>(kind, out, q, ks, vs, table, block_tables, seq_lens, scale, window, a);
+    return dispatch_kind<at::BFloat16>(kind, out, q, ks, vs, table, block_tables, seq_lens, scale, window, a, mask);
+  dispatch_kind<float>(kind, out, q, ks, vs, table, block_tables, seq_lens, scale, window, a, mask);
 }

@@ -62,6 +62,10 @@ class DecodeGroup:
     mask: torch.Tensor | None
     """Torch path only: [num_seqs, 1, 1, max_blocks * block_size] additive, 0 where a key
     exists (and is inside the sliding window), -inf elsewhere."""
+    tree_starts: torch.Tensor | None = None
+    """Native path, candidate-tree rows (worker/tree_verify.py): [num_seqs] int64, each row's first tree key."""
+    tree_bits: torch.Tensor | None = None
+    """[num_seqs, words] int64: of the tree keys, those each row sees (itself and its ancestors)."""
 
 
 @dataclass
@@ -73,7 +77,8 @@ class AttentionMetadata:
     sliding_window: int | None = None
     """Mistral-style: a token sees only the `sliding_window` most recent positions (itself included)."""
     tree_groups: list[TreeGroup] = field(default_factory=list)
-    """Speculative candidate trees, one masked call each (worker/tree_verify.py)."""
+    """Speculative candidate trees on the torch path, one masked call each (worker/tree_verify.py);
+    with the native kernel they are a decode group with an ancestor mask instead."""
 
 
 class PagedAttention:
@@ -111,7 +116,8 @@ class PagedAttention:
         """Attention for one decode group, written into `out` (a view of the step's output)."""
         if self.kernels is not None:
             decode_attention(self.kernels, out, q, self.cache.layout(layer_idx), group.block_table,
-                             group.seq_lens, self.scale, self.meta.sliding_window or 0)
+                             group.seq_lens, self.scale, self.meta.sliding_window or 0, group.tree_starts,
+                             group.tree_bits)
             return
         assert mask is not None, "the torch decode path needs the group's mask"
         keys, values = self.cache.read(layer_idx, group.block_table)  # [B, kvh, L, d] views

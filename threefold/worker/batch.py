@@ -11,7 +11,7 @@ from threefold.sample.metadata import TokenCounts
 from threefold.sample.params import SamplingParams
 from threefold.worker.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from threefold.worker.block_table import BlockTable
-from threefold.worker.tree_verify import TreeGroup, tree_group, tree_positions
+from threefold.worker.tree_verify import TreeGroup, tree_bits, tree_group, tree_positions
 
 
 @dataclass
@@ -101,9 +101,10 @@ def build_batch(states: list[CachedRequestState], num_scheduled: dict[str, int],
                 spec_tokens: dict[str, list[int]], block_table: BlockTable, device: torch.device,
                 sliding_window: int | None = None, native_decode: bool = False,
                 trees: dict[str, list[int]] | None = None) -> StepBatch:
-    """native_decode: the decodes go to the native kernel as one group with no mask;
-    otherwise they are bucketed by length for the torch path. trees: request id -> the parent
-    ids of the candidate tree its drafts form (worker/tree_verify.py); other drafts are chains.
+    """native_decode: the decodes go to the native kernel as one group with no mask (and the
+    candidate trees as a second, with their ancestor masks); otherwise they are bucketed by length
+    for the torch path. trees: request id -> the parent ids of the candidate tree its drafts form
+    (worker/tree_verify.py); other drafts are chains.
 
     Python work is O(requests + scheduled tokens), never O(context): block tables
     and slots come from the persistent `block_table`."""
@@ -134,15 +135,14 @@ def build_batch(states: list[CachedRequestState], num_scheduled: dict[str, int],
         token_rows = rows.repeat_interleave(lens_t)
         positions = torch.arange(len(input_ids), dtype=torch.long) + offsets.repeat_interleave(lens_t)  # [T]
     slots = block_table.slot_mapping(token_rows, positions)  # tree rows take consecutive slots too
-    tree_groups = []
+    verify_trees = []  # (index in order, parent ids) of each tree verify, in order
     for i, state in enumerate(order):
         parents = trees.get(state.request_id)
         if parents is not None and _kind(state, lens[i], trees) == 1:
             positions[starts[i] : starts[i] + lens[i]] = tree_positions(parents, state.num_computed_tokens)
-            tree_groups.append(tree_group(parents, state.num_computed_tokens, starts[i], state.row, block_table,
-                                          device, sliding_window))
+            verify_trees.append((i, parents))
     attn = _attention_metadata(order, starts, lens, rows, slots, block_table, device, sliding_window, native_decode,
-                               tree_groups)
+                               verify_trees)
     return StepBatch(torch.tensor(input_ids, device=device), positions.to(device), attn,
                      order, starts, lens, sample_rows, sampling)
 
@@ -162,10 +162,10 @@ def _is_decode(state: CachedRequestState, num_scheduled: int) -> bool:
 def _attention_metadata(order: list[CachedRequestState], starts: list[int], lens: list[int], rows: torch.Tensor,
                         slots: torch.Tensor, block_table: BlockTable, device: torch.device,
                         sliding_window: int | None, native_decode: bool,
-                        tree_groups: list[TreeGroup]) -> AttentionMetadata:
+                        verify_trees: list[tuple[int, list[int]]]) -> AttentionMetadata:
     block_size = block_table.block_size
     num_verifies = sum(1 for state, n in zip(order, lens, strict=False) if _is_decode(state, n))
-    num_decodes = num_verifies - len(tree_groups)  # the tree verifies come right after the decodes
+    num_decodes = num_verifies - len(verify_trees)  # the tree verifies come right after the decodes
     # Every decode query is one row: a verify's k+1 queries share the request's block-table row
     # and see one more key each (its draft's, written before attention), as gpt-fast scores
     # [last, *drafts] in one call.
@@ -177,6 +177,12 @@ def _attention_metadata(order: list[CachedRequestState], starts: list[int], lens
     groups = [_decode_group(contexts[lo:hi], query_rows[lo:hi], lo, block_table, device, sliding_window,
                             with_mask=not native_decode)
               for lo, hi in buckets]
+    tree_groups: list[TreeGroup] = []
+    if verify_trees and native_decode and sliding_window is None:
+        groups.append(_tree_decode_group(order, starts, rows, verify_trees, block_table, device))
+    else:
+        tree_groups = [tree_group(parents, order[i].num_computed_tokens, starts[i], order[i].row, block_table,
+                                  device, sliding_window) for i, parents in verify_trees]
     prefills = []
     for i in range(num_verifies, len(order)):
         state, start, n = order[i], starts[i], lens[i]
@@ -184,6 +190,25 @@ def _attention_metadata(order: list[CachedRequestState], starts: list[int], lens
         table = block_table.rows(rows[i : i + 1], num_blocks)  # [1, num_blocks]
         prefills.append(PrefillChunk(start, n, state.num_computed_tokens, table))
     return AttentionMetadata(slots, groups, prefills, sliding_window, tree_groups)
+
+
+def _tree_decode_group(order: list[CachedRequestState], starts: list[int], rows: torch.Tensor,
+                       verify_trees: list[tuple[int, list[int]]], block_table: BlockTable,
+                       device: torch.device) -> DecodeGroup:
+    """Every tree verify of the step as one native decode group: tree row r of a request with C
+    computed tokens reads C + r + 1 keys (its ancestors come before it) and sees, of the tree keys
+    from C on, only those its bits allow."""
+    sizes = [len(parents) + 1 for _, parents in verify_trees]
+    words = -(-max(sizes) // 64)
+    contexts = torch.tensor([order[i].num_computed_tokens for i, _ in verify_trees], dtype=torch.long)
+    sizes_t = torch.tensor(sizes, dtype=torch.long)
+    tree_starts = contexts.repeat_interleave(sizes_t)
+    seq_lens = tree_starts + torch.cat([torch.arange(1, size + 1) for size in sizes])
+    query_rows = rows[[i for i, _ in verify_trees]].repeat_interleave(sizes_t)
+    table = block_table.rows(query_rows, -(-int(seq_lens.max()) // block_table.block_size))
+    bits = torch.cat([tree_bits(parents, words) for _, parents in verify_trees])
+    return DecodeGroup(starts[verify_trees[0][0]], len(seq_lens), table, seq_lens.to(device), None,
+                       tree_starts.to(device), bits.to(device))
 
 
 # A bucket's longest context is at most this many times its shortest: padding

@@ -10,9 +10,15 @@ scheduler's lookahead slots hold a tree as they hold a chain:
     position  C     C+1   C+1   C+2   C+2          RoPE sees root_position + depth
 
 Row r attends to the whole context before the root plus the tree rows that are r or its ancestors
-(spec/tree.verify_mask), so each row computes what a causal pass over its path would. One SDPA call
-per tree request over its gathered blocks (the torch reference; the native decode kernel has no
-per-row mask, so trees take this path even where the kernel runs the other decodes).
+(spec/tree.verify_mask), so each row computes what a causal pass over its path would. Two paths
+compute it:
+
+    native kernel   the tree rows are one more decode group: row r reads C + r + 1 keys in place
+                    (its ancestors all come before it) with an ancestor bitmask over the tree keys
+                    (`tree_bits`; the kernel's TreeMask), every tree of the step in one call
+    plain torch     one SDPA call per tree request over its gathered blocks and a bool mask
+                    (`tree_group`): the reference, and the path of sliding-window models (the
+                    kernel's window is counted from a row's key count, not from its depth)
 
 After acceptance the path's K/V are moved to the chain slots C+1, C+2, ... (`keep_path`, through
 the codec's read and write); the scheduler then frees the blocks past the accepted length.
@@ -62,6 +68,15 @@ def tree_group(parent_ids: list[int], root_position: int, query_start: int, row:
         visible[:, :root_position] &= keys[None, :] > row_positions[:, None] - sliding_window
     visible[:, root_position:num_keys] = verify_mask(parent_ids)
     return TreeGroup(query_start, num_rows, table, visible.to(device)[None, None])
+
+
+def tree_bits(parent_ids: list[int], words: int) -> torch.Tensor:
+    """[N + 1, words] int64: row r's bit j (word j // 64, bit j % 64) is set where tree row j is r or
+    one of its ancestors (spec/tree.verify_mask packed for the native kernel)."""
+    mask = verify_mask(parent_ids)
+    padded = torch.zeros(mask.shape[0], words * 64, dtype=torch.long)
+    padded[:, : mask.shape[1]] = mask
+    return (padded.view(-1, words, 64) << torch.arange(64)).sum(-1)  # bit 63 wraps to the sign bit, as meant
 
 
 def keep_path(cache: PagedKVCache, block_table: BlockTable, row: int, root_position: int, path: list[int]) -> None:
