@@ -90,17 +90,21 @@ namespace avx2 {
 
 constexpr int kNR = 4;  // weight rows per tile
 constexpr int kMR = 3;  // rows of x per tile: kNR * kMR accumulators + kMR x vectors + 1 w in 16 registers
+constexpr int64_t kAhead = 1;  // the weight block prefetched while one is read (1 beat 2 and 4, measured)
 
 // res[m][n] = x[m] . w[n] for kMR >= MR rows of x (x_stride apart) against kNR weight rows:
 // each 8-wide chunk of a weight row is loaded (and widened) once for all MR rows.
 template <int MR, typename W>
 inline void tile(const W* const (&w)[kNR], int64_t k_dim, const float* __restrict x, int64_t x_stride,
-                 float (&res)[kMR][kNR]) {
+                 float (&res)[kMR][kNR], const char* ahead) {
   __m256 acc[MR][kNR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < kNR; ++n) acc[m][n] = _mm256_setzero_ps();
   const int64_t k8 = k_dim & ~int64_t{7};
+  constexpr int64_t kStepBytes = kNR * 8 * sizeof(W);  // weight bytes one k step reads: as many of the next block's are fetched
   for (int64_t k = 0; k < k8; k += 8) {
+    if (ahead != nullptr)
+      for (int64_t b = 0; b < kStepBytes; b += 64) _mm_prefetch(ahead + k / 8 * kStepBytes + b, _MM_HINT_T0);
     __m256 xv[MR];
     for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * x_stride + k);
     for (int n = 0; n < kNR; ++n) {
@@ -119,11 +123,11 @@ inline void tile(const W* const (&w)[kNR], int64_t k_dim, const float* __restric
 // tile<rows> for rows in [1, MR].
 template <int MR, typename W>
 inline void tile_rows(int rows, const W* const (&w)[kNR], int64_t k_dim, const float* x, int64_t x_stride,
-                      float (&res)[kMR][kNR]) {
+                      float (&res)[kMR][kNR], const char* ahead) {
   if constexpr (MR > 1) {
-    if (rows < MR) return tile_rows<MR - 1>(rows, w, k_dim, x, x_stride, res);
+    if (rows < MR) return tile_rows<MR - 1>(rows, w, k_dim, x, x_stride, res, ahead);
   }
-  tile<MR>(w, k_dim, x, x_stride, res);
+  tile<MR>(w, k_dim, x, x_stride, res, ahead);
 }
 
 // x: fp32 rows x_stride apart; w: [N, K] contiguous; out rows o_stride apart; bias [N] or null.
@@ -137,10 +141,14 @@ void linear(const float* x, int64_t x_stride, int64_t m_dim, const W* w, int64_t
       const int64_t n0 = nb * kNR, rows = std::min<int64_t>(kNR, n_dim - n0);
       const W* wr[kNR];
       for (int n = 0; n < kNR; ++n) wr[n] = w + std::min(n0 + n, n_dim - 1) * k_dim;  // a short block repeats its last row
+      // The first pass over a block prefetches the block kAhead on (contiguous rows): the few rows of
+      // a block are too short a stream for the hardware prefetcher: SmolLM2's layers at one row streamed
+      // bf16 at 8.5 GB/s without, 17 GB/s with (1 thread, CPU time, AMD EPYC run as avx2).
+      const char* ahead = nb + kAhead < end ? reinterpret_cast<const char*>(w + (n0 + kAhead * kNR) * k_dim) : nullptr;
       for (int64_t m0 = 0; m0 < m_dim; m0 += kMR) {
         const int mr = static_cast<int>(std::min<int64_t>(kMR, m_dim - m0));
         float res[kMR][kNR];
-        tile_rows<kMR>(mr, wr, k_dim, x + m0 * x_stride, x_stride, res);
+        tile_rows<kMR>(mr, wr, k_dim, x + m0 * x_stride, x_stride, res, m0 == 0 ? ahead : nullptr);
         for (int m = 0; m < mr; ++m)
           for (int64_t n = 0; n < rows; ++n)
             out[(m0 + m) * o_stride + n0 + n] = static_cast<O>(res[m][n] + (bias ? to_float(bias[n0 + n]) : 0.f));
