@@ -48,12 +48,14 @@ def plot_trace(name: str, trace: dict, path: Path) -> None:
 
     plt.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "threefold"})
     sizes = sorted({n for n, _ in trace["curves"]})
-    fig, axes = plt.subplots(1, len(sizes), figsize=(3.2 * len(sizes), 3.4), sharey=True, squeeze=False)
+    # Shared axes and one colour per policy in every panel, so the panels read side by side.
+    fig, axes = plt.subplots(1, len(sizes), figsize=(3.2 * len(sizes), 3.4), sharex=True, sharey=True, squeeze=False)
     for ax, n in zip(axes[0], sizes, strict=True):
-        for policy in POLICIES:
+        for colour, policy in enumerate(POLICIES):
             curve = trace["curves"].get((n, policy))
             if curve:
-                ax.plot(*zip(*curve, strict=True), marker="o", markersize=3, linewidth=1.2, label=policy)
+                ax.plot(*zip(*curve, strict=True), marker="o", markersize=3, linewidth=1.2, label=policy,
+                        color=f"C{colour}")
         ax.axhline(ATTAINMENT_GOAL, color="grey", linestyle="--", linewidth=0.8)
         ax.set_xscale("log")
         ax.set(title=f"{n} instances", xlabel="req/s per instance")
