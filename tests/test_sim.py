@@ -329,24 +329,23 @@ def test_simulate_saves_each_run_as_it_ends_and_the_plots_merge_them(tmp_path, m
     from threefold.cli import main as cli_main
 
     _model().save(tmp_path / "model.json")
-    args = ["simulate", "--calibration", str(tmp_path / "model.json"), "--instances", "2", "--trace", "mooncake",
-            "--policy", "round_robin", "--rates", "0.05,0.1", "--requests-per-instance", "6", "--bisect-steps", "0",
-            "--ttft-slo", "60s"]
+    args = ["simulate", "--calibration", str(tmp_path / "model.json"), "--trace", "mooncake", "--rates", "0.05,0.1",
+            "--requests-per-instance", "6", "--bisect-steps", "0", "--ttft-slo", "60s"]
     real, calls = sweep.simulate, []
 
     def second_run_dies(*a, **k):  # a sweep stopped part way (killed, out of time) after its first run
         calls.append(a[4])
         if len(calls) == 2:
-            raise KeyboardInterrupt
+            raise RuntimeError("stopped")
         return real(*a, **k)
 
     monkeypatch.setattr(sweep, "simulate", second_run_dies)
-    with pytest.raises(KeyboardInterrupt):
-        cli_main([*args, "--out", str(tmp_path / "stopped")])
+    with pytest.raises(RuntimeError, match="stopped"):
+        cli_main([*args, "--instances", "2", "--policy", "round_robin", "--out", str(tmp_path / "stopped")])
     stopped = json.loads((tmp_path / "stopped" / "results.json").read_text())
     assert [r["rate"] for r in stopped["runs"]] == [0.1] and stopped["capacity"] == []  # 0.05 x 2 instances
     monkeypatch.setattr(sweep, "simulate", real)
-    assert cli_main([*args, "--policy", "dualmap", "--instances", "4", "--out", str(tmp_path / "done")]) == 0
+    assert cli_main([*args, "--instances", "4", "--policy", "dualmap", "--out", str(tmp_path / "done")]) == 0
     done = json.loads((tmp_path / "done" / "results.json").read_text())
     assert [(r["instances"], r["rate"]) for r in done["runs"]] == [(4, 0.2), (4, 0.4)] and len(done["capacity"]) == 1
 
