@@ -61,7 +61,11 @@ def plot_trace(name: str, trace: dict, path: Path) -> None:
         ax.set(title=f"{n} instances", xlabel="req/s per instance")
         ax.grid(alpha=0.3, linewidth=0.5)
     axes[0][0].set_ylabel(f"fraction with TTFT <= {trace['slo']:g} s")
-    axes[0][0].legend(fontsize=7)
+    drawn: dict[str, object] = {}  # every policy drawn in any panel, so the legend names them all
+    for ax in axes[0]:
+        handles, labels = ax.get_legend_handles_labels()
+        drawn.update((label, handle) for handle, label in zip(handles, labels, strict=True) if label not in drawn)
+    axes[0][0].legend([drawn[p] for p in POLICIES if p in drawn], [p for p in POLICIES if p in drawn], fontsize=7)
     fig.suptitle(f"{name} trace: SLO attainment vs rate (simulated; calibration [{trace['cpu']}])", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, format="svg", metadata={"Date": None})
