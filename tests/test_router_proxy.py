@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import threading
@@ -228,19 +227,24 @@ def test_a_dying_backend_ends_its_streams_and_loses_no_unstarted_request(backend
         assert state[survivor.url]["routed"] >= 6  # its 2 streams and the 4 late requests
 
 
-@pytest.mark.skipif(not os.environ.get("THREEFOLD_TEST_RAY"),
-                    reason="Ray replicas take ~1-2 min to start here (over the suite budget): THREEFOLD_TEST_RAY=1")
 def test_replicas_as_ray_actors(keyer):
-    pytest.importorskip("ray")
+    """`threefold cluster --ray`'s path on a local Ray (ray is a test dependency): 2 actors, each owning a
+    `threefold serve`, behind the router; stopping them ends the servers."""
     from threefold.router.ray_cluster import start_replicas, stop_replicas
 
     urls, handles = start_replicas(2, MODEL, ["--kv-cache-memory=24MiB", "--max-model-len=512"], None, 0.5)
     try:
-        with RouterThread(urls, "prefix_hash", keyer) as front:
-            reply = front.client().completions.create(model=MODEL, prompt="Hello", max_tokens=2)
-            assert reply.usage.completion_tokens == 2 and len(front.state()) == 2
+        with RouterThread(urls, "round_robin", keyer) as front:
+            client = front.client()
+            replies = [client.completions.create(model=MODEL, prompt=f"Hello {i}", max_tokens=2) for i in range(2)]
+            assert all(r.usage.completion_tokens == 2 for r in replies)
+            state = front.state()
+            assert sorted(state) == sorted(urls) and all(s["routed"] == 1 and s["healthy"] for s in state.values())
     finally:
         stop_replicas(handles)
+    for url in urls:  # each actor's server went with it
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url}/health", timeout=2)
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed: `make chromium`")

@@ -319,3 +319,47 @@ def test_http_delays_from_two_scrapes():
     assert delays_between(after, after) is None
     late_headers = Scrape({ACCEPT: (3.0, 20), FIRST_TOKEN: (26.0, 20), ENGINE_TTFT: (20.0, 20)})
     assert delays_between(before, late_headers) == Delays(pytest.approx(0.1), pytest.approx(0.0), 10)
+
+
+def test_simulate_saves_each_run_as_it_ends_and_the_plots_merge_them(tmp_path, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    import threefold.sim.sweep as sweep
+    from threefold.cli import main as cli_main
+
+    _model().save(tmp_path / "model.json")
+    args = ["simulate", "--calibration", str(tmp_path / "model.json"), "--trace", "mooncake", "--rates", "0.05,0.1",
+            "--requests-per-instance", "6", "--bisect-steps", "0", "--ttft-slo", "60s"]
+    real, calls = sweep.simulate, []
+
+    def second_run_dies(*a, **k):  # a sweep stopped part way (killed, out of time) after its first run
+        calls.append(a[4])
+        if len(calls) == 2:
+            raise RuntimeError("stopped")
+        return real(*a, **k)
+
+    monkeypatch.setattr(sweep, "simulate", second_run_dies)
+    with pytest.raises(RuntimeError, match="stopped"):
+        cli_main([*args, "--instances", "2", "--policy", "round_robin", "--out", str(tmp_path / "stopped")])
+    stopped = json.loads((tmp_path / "stopped" / "results.json").read_text())
+    assert [r["rate"] for r in stopped["runs"]] == [0.1] and stopped["capacity"] == []  # 0.05 x 2 instances
+    monkeypatch.setattr(sweep, "simulate", real)
+    assert cli_main([*args, "--instances", "4", "--policy", "dualmap", "--out", str(tmp_path / "done")]) == 0
+    done = json.loads((tmp_path / "done" / "results.json").read_text())
+    assert [(r["instances"], r["rate"]) for r in done["runs"]] == [(4, 0.2), (4, 0.4)] and len(done["capacity"]) == 1
+
+    path = Path(__file__).parents[1] / "benchmarks" / "slo_plots.py"
+    spec = importlib.util.spec_from_file_location("slo_plots", path)
+    slo_plots = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(slo_plots)
+    traces = slo_plots.merge([stopped, done])
+    curves = traces["mooncake"]["curves"]
+    assert traces["mooncake"]["slo"] == 60.0 and set(curves) == {(2, "round_robin"), (4, "dualmap")}
+    assert [rate for rate, _ in curves[4, "dualmap"]] == [0.05, 0.1]  # per instance, in rate order
+    with pytest.raises(SystemExit, match="do not belong in one plot"):
+        slo_plots.merge([stopped, {**done, "ttft_slo_s": 20.0}])
+    pytest.importorskip("matplotlib")
+    slo_plots.plot_trace("mooncake", traces["mooncake"], tmp_path / "slo.svg")
+    svg = (tmp_path / "slo.svg").read_text()
+    assert "4 instances" in svg and "dualmap" in svg and len(svg) < 200_000  # text kept as text

@@ -97,8 +97,7 @@ def run_simulate(ns: argparse.Namespace) -> dict:
             trace = make_trace(trace_name, num, ns.seed, model.block_size, 64)
             for policy in policies:
                 _sweep_one(report, model, trace, n, policy, rates, slo, ns)
-    (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "results.md").write_text(markdown(report))
+    _save(report, out)
     plot(report, out)
     print(markdown(report))
     return report
@@ -113,14 +112,20 @@ def _sweep_one(report: dict, model: EngineModel, trace: Trace, n: int, policy: s
         print(f"{n:5d} inst {trace.name:9s} {policy:13s} rate {rate:.3f}: SLO attainment {result.slo_attainment:.3f}, "
               f"TTFT p50 {result.ttft_p50:.2f} s, hit rate {result.hit_rate:.3f} "
               f"({time.perf_counter() - started:.0f}s)", flush=True)  # long sweeps: each run as it ends
+        report["runs"].append(asdict(result))
+        _save(report, Path(ns.out))  # a sweep stopped part way keeps every run that ended
         return result
 
     capacity, results = effective_capacity(run, rates, ns.bisect_steps)
-    report["runs"].extend(asdict(r) for r in results)
     report["capacity"].append({"instances": n, "trace": trace.name, "policy": policy,
                                "capacity_per_instance": capacity, "capacity_total": capacity * n})
     print(f"{n:5d} inst {trace.name:9s} {policy:13s} capacity {capacity:.3f} req/s/inst "
           f"({len(results)} runs, {time.perf_counter() - started:.1f}s)", flush=True)
+
+
+def _save(report: dict, out: Path) -> None:
+    (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(report))
 
 
 def markdown(report: dict) -> str:
