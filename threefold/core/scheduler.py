@@ -237,7 +237,7 @@ class Scheduler:
             self._schedule_waiting(plan, rank=0)
         plan.budget += reserve
         online = [self.requests[rid] for rid in plan.num_tokens]
-        online_waiting = any(r.class_rank == 0 for r in self.waiting)
+        online_waiting = bool(self.waiting) and self.waiting[0].class_rank == 0  # sorted: online first
         plan.offline = OfflineBudget(self.config, self.predictor, plan.shape, online, online_waiting)
         self._schedule_offline_decodes(plan)
         self._schedule_running(plan, rank=1)
