@@ -123,9 +123,14 @@ def _flags(target: str) -> list[str]:
     return _CFLAGS + TARGETS[target] + (_NATIVE_X86_CFLAGS if native_x86 else [])
 
 
+def _inputs(sources: list[Path]) -> list[Path]:
+    """Every file a build compiles: the sources and the headers they include, in a fixed order."""
+    return [*sources, *sorted(_DIR.glob("*.h"))]
+
+
 def _build_dir(target: str, sources: list[Path], flags: list[str]) -> Path:
     digest = hashlib.sha256(" ".join(flags).encode())
-    for path in [*sources, *_DIR.glob("*.h")]:
+    for path in _inputs(sources):
         digest.update(path.name.encode() + path.read_bytes())
     if target == "native":  # -march=native means this CPU
         digest.update(" ".join(sorted(_cpu_flags())).encode() or platform.processor().encode())
@@ -188,7 +193,7 @@ def _staged(build_dir: Path, sources: list[Path]) -> list[Path]:
     every checkout (2-3 minutes each); compiled from these copies, every checkout shares one build."""
     staging = build_dir / "src"
     staging.mkdir(exist_ok=True)
-    for path in [*sources, *_DIR.glob("*.h")]:
+    for path in _inputs(sources):
         _write_if_changed(staging / path.name, path.read_text())
     return [staging / path.name for path in sources]
 

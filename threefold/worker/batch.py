@@ -9,9 +9,10 @@ import torch
 from threefold.core.outputs import NewRequestData, SchedulerOutput
 from threefold.sample.metadata import TokenCounts
 from threefold.sample.params import SamplingParams
+from threefold.spec.tree import verify_positions
 from threefold.worker.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from threefold.worker.block_table import BlockTable
-from threefold.worker.tree_verify import TreeGroup, tree_bits, tree_group, tree_positions
+from threefold.worker.tree_verify import TreeGroup, tree_bits, tree_group
 
 
 @dataclass
@@ -139,7 +140,7 @@ def build_batch(states: list[CachedRequestState], num_scheduled: dict[str, int],
     for i, state in enumerate(order):
         parents = trees.get(state.request_id)
         if parents is not None and _kind(state, lens[i], trees) == 1:
-            positions[starts[i] : starts[i] + lens[i]] = tree_positions(parents, state.num_computed_tokens)
+            positions[starts[i] : starts[i] + lens[i]] = verify_positions(parents, state.num_computed_tokens)
             verify_trees.append((i, parents))
     attn = _attention_metadata(order, starts, lens, rows, slots, block_table, device, sliding_window, native_decode,
                                verify_trees)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from threefold.kv.paged import PagedKVCache
-from threefold.spec.tree import node_depths, verify_mask
+from threefold.spec.tree import verify_mask, verify_positions
 from threefold.worker.block_table import BlockTable
 
 
@@ -47,11 +47,6 @@ class TreeGroup:
     """[1, 1, num_rows, num_blocks * block_size] bool: True where the row may attend."""
 
 
-def tree_positions(parent_ids: list[int], root_position: int) -> torch.Tensor:
-    """[N + 1] RoPE positions of the verify rows (root first)."""
-    return torch.tensor([root_position] + [root_position + d for d in node_depths(parent_ids)], dtype=torch.long)
-
-
 def tree_group(parent_ids: list[int], root_position: int, query_start: int, row: int, block_table: BlockTable,
                device: torch.device, sliding_window: int | None = None) -> TreeGroup:
     """The verify rows of one request whose block-table row is `row`; keys are laid out by slot
@@ -63,7 +58,7 @@ def tree_group(parent_ids: list[int], root_position: int, query_start: int, row:
     visible = torch.zeros(num_rows, num_blocks * block_table.block_size, dtype=torch.bool)
     visible[:, :root_position] = True
     if sliding_window is not None:  # the context keys inside each row's window (tree rows are all recent)
-        row_positions = tree_positions(parent_ids, root_position)
+        row_positions = verify_positions(parent_ids, root_position)
         keys = torch.arange(root_position)
         visible[:, :root_position] &= keys[None, :] > row_positions[:, None] - sliding_window
     visible[:, root_position:num_keys] = verify_mask(parent_ids)
