@@ -19,6 +19,9 @@
    router model on the same requests in the same order), and on the simulator's own closed-loop
    schedule (`own schedule`: think times after simulated answers, as `threefold simulate` runs).
 5. TTFT p50/p90/p99/mean and prefix hit rate, real against simulated, and the relative error.
+6. The replicas log every step (`--step-log`): per policy, how much slower or faster their real steps ran
+   than the calibration prices the same shapes (`EngineModel.drift`), which is the part of the error
+   that is the calibration's rather than the simulator's.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from routing import stream_turn  # benchmarks/ is on sys.path: this script's own
 
 from threefold.bench.datasets import LengthLimits, load_sharegpt_sessions
 from threefold.bench.tokenizer import load_tokenizer
+from threefold.engine.step_log import read_step_log
 from threefold.router.app import build_app
 from threefold.router.cli import free_port, wait_healthy
 from threefold.router.keys import PromptKeyer
@@ -116,13 +120,18 @@ def summary(ttfts: list[float], hit_rate: float) -> dict:
 
 def run_policy(policy: str, urls: list[str], ns, sessions, keyer, model: EngineModel, schedule) -> dict:
     with serving_router(Router(urls, policy, router_config(model, ns.slo, ns.seed), keyer, ProxyConfig())) as url:
-        before = scrape(url, urls)
+        before, began = scrape(url, urls), time.time()
         records = replay(url, ns, sessions, f"{policy}-{ns.seed}", keyer, *schedule)
-        in_run = delays_between(before, scrape(url, urls))
+        in_run, ended = delays_between(before, scrape(url, urls)), time.time()
         state = httpx.get(f"{url}/router/state").json()["backends"]
     (Path(ns.out) / f"records_{policy}.json").write_text(json.dumps(records))  # to re-simulate without a rerun
+    steps = [step for i in range(len(urls)) for step in read_step_log(step_log(ns, i), began, ended)]
     return {**compare(policy, records, ns, model, len(urls)), "routed": [s.get("routed", 0) for s in state.values()],
-            "delays_in_run": dataclasses.asdict(in_run) if in_run else None}
+            "delays_in_run": dataclasses.asdict(in_run) if in_run else None, "drift": model.drift(steps)}
+
+
+def step_log(ns, replica: int) -> Path:
+    return Path(ns.out) / f"steps_{replica}.jsonl"
 
 
 def compare(policy: str, records: list[list[dict]], ns, model: EngineModel, num_replicas: int) -> dict:
@@ -187,7 +196,7 @@ def start_replicas(ns, model_path: Path | None = None) -> tuple[list[subprocess.
     for i in range(ns.replicas):
         port = free_port()
         cmd = [sys.executable, "-m", "threefold.cli", "serve", "--model", ns.model, "--port", str(port),
-               f"--kv-cache-memory={ns.kv_cache_memory}", "--max-model-len=2048"]
+               f"--kv-cache-memory={ns.kv_cache_memory}", "--max-model-len=2048", f"--step-log={step_log(ns, i)}"]
         engines.append(subprocess.Popen(pinned(cmd, i % cores), env={**os.environ, **PINNED_ENV},
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         urls.append(f"http://127.0.0.1:{port}")
@@ -229,6 +238,13 @@ def markdown(report: dict) -> str:
                 err = sim["error"][key]
                 cells += [f"{sim['sim'][key]:.3f}", "-" if err is None else f"{err:+.1%}"]
             lines.append(f"| {row['policy']} | {key} | {row['real'][key]:.3f} | {' | '.join(cells)} |")
+    lines += ["", "Calibration drift: the replicas' steps in each run, measured / modelled seconds (steps)", "",
+              "| policy | all | decode only | prefill < 512 | prefill >= 512 |", "|---|---|---|---|---|"]
+    for row in report["policies"]:
+        drift = row.get("drift") or {}
+        cells = [f"{drift[k]['ratio']:.3f} ({drift[k]['steps']})" if k in drift else "-"
+                 for k in ("all", "decode only", "prefill < 512", "prefill >= 512")]
+        lines.append(f"| {row['policy']} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from threefold.engine.step_log import read_step_log
 from threefold.sample.params import SamplingParams
 
 from prompts import PROMPTS
@@ -170,3 +171,17 @@ def test_length_buckets_bound_padding():
     buckets = _length_buckets(lengths, 16)
     # block counts 1,1,2,3,19,20,126: a bucket grows while blocks <= 1.5 x its first + 1
     assert buckets == [(0, 3), (3, 4), (4, 6), (6, 7)]
+
+
+def test_the_step_log_records_each_steps_shape_and_time(make_llm, tmp_path):
+    path = tmp_path / "steps.jsonl"
+    llm = make_llm(step_log=str(path))
+    llm.generate([{"prompt_token_ids": list(range(300, 320))}, {"prompt_token_ids": list(range(400, 405))}],
+                 SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
+    llm.close()
+    steps = read_step_log(path)
+    # both prompts in one step, then each decodes over the tokens it has computed
+    assert [sorted(s.shape) for s in steps] == [[(5, 0), (20, 0)], [(1, 5), (1, 20)], [(1, 6), (1, 21)]]
+    assert all(s.seconds > 0 for s in steps)
+    assert steps[0].time < steps[1].time < steps[2].time
+    assert read_step_log(path, since=steps[1].time) == steps[1:]

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from threefold.core.block_pool import BlockPool
+from threefold.engine.step_log import LoggedStep
 from threefold.errors import ThreefoldError
 from threefold.router.policies import policy_names
 from threefold.sim.block_pool import SimBlockPool
@@ -363,3 +364,20 @@ def test_simulate_saves_each_run_as_it_ends_and_the_plots_merge_them(tmp_path, m
     slo_plots.plot_trace("mooncake", traces["mooncake"], tmp_path / "slo.svg")
     svg = (tmp_path / "slo.svg").read_text()
     assert "4 instances" in svg and "dualmap" in svg and len(svg) < 200_000  # text kept as text
+
+
+def test_drift_prices_logged_steps_as_the_simulator_does():
+    model = dataclasses.replace(_model(), per_prefill_context_s=1e-7, prefill_attention_s=1e-8)
+    chunk, decodes = ((600, 64),), ((1, 300), (1, 500))
+    # a mixed step: one 600-token chunk after 64 cached tokens beside two decodes
+    mixed = model.step_seconds(602, 800, 600 * 64, attention_pairs(600))
+    assert model.shape_seconds(chunk + decodes) == pytest.approx(mixed)
+    decode = model.step_seconds(2, 800)
+    steps = [LoggedStep(0.0, 1.2 * mixed, chunk + decodes), LoggedStep(1.0, 0.9 * decode, decodes),
+             LoggedStep(2.0, 0.9 * decode, decodes)]
+    drift = model.drift(steps)
+    assert drift["prefill >= 512"]["ratio"] == pytest.approx(1.2)
+    assert drift["decode only"] == {"steps": 2, "measured_s": pytest.approx(1.8 * decode),
+                                    "modelled_s": pytest.approx(2 * decode), "ratio": pytest.approx(0.9)}
+    assert drift["all"]["ratio"] == pytest.approx((1.2 * mixed + 1.8 * decode) / (mixed + 2 * decode))
+    assert "prefill < 512" not in drift

@@ -49,6 +49,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' '
                              "(methods: ngram, draft_model, medusa, eagle)")
+    parser.add_argument("--step-log", default=None, metavar="FILE",
+                        help="append each model step's time and shape to FILE, one JSON line a step (what the "
+                             "simulator's engine model prices: compare a server's steps with a calibration)")
     from threefold.kvstore import add_offload_args
     add_offload_args(parser)  # --kv-offload-cpu-bytes/-disk/-disk-bytes/-redis/-codec/-config (issue 12)
 
@@ -75,7 +78,7 @@ def engine_args_from(ns: argparse.Namespace):
                       scheduling_policy=ns.scheduling_policy, online_ttft_slo=ns.online_ttft_slo,
                       online_itl_slo=ns.online_itl_slo, offline_min_share=ns.offline_min_share,
                       max_offline_queued_tokens=ns.max_offline_queued_tokens, online_slowdown=ns.online_slowdown,
-                      kv_offload=offload if offload.enabled else None)
+                      kv_offload=offload if offload.enabled else None, step_log=getattr(ns, "step_log", None))
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

@@ -14,6 +14,7 @@ from threefold.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from threefold.core.request import Request, RequestStatus
 from threefold.core.scheduler import Scheduler, SchedulerStats
 from threefold.core.step_cost import LinearStepModel
+from threefold.engine.step_log import StepLog, wall_time
 from threefold.errors import ThreefoldError
 from threefold.kv.registry import make_codec
 from threefold.kv.window import window_slots
@@ -43,7 +44,8 @@ def default_kv_cache_memory() -> int:
 class EngineCore:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig,
                  max_model_len: int, device: str = "cpu", speculative: SpeculativeConfig | None = None,
-                 offload: OffloadConfig | None = None) -> None:
+                 offload: OffloadConfig | None = None, step_log: str | None = None) -> None:
+        self.step_log = StepLog(step_log) if step_log else None
         self.runner = ModelRunner(loaded, cache.block_size, cache.kv_cache_dtype, device=device,
                                   speculative_config=speculative, max_model_len=max_model_len)
         budget = cache.kv_cache_memory or default_kv_cache_memory()
@@ -101,9 +103,11 @@ class EngineCore:
         return offload
 
     def close(self) -> None:
-        """Finish the offload tiers' pending writes and release them."""
+        """Finish the offload tiers' pending writes and release them; close the step log."""
         if self.offload is not None:
             self.offload.close()
+        if self.step_log is not None:
+            self.step_log.close()
 
     def add_request(self, request: Request) -> None:
         if request.is_offline and self.scheduler.hybrid and self.scheduler.predictor is None:
@@ -146,12 +150,16 @@ class EngineCore:
             if self.offload is not None and self.scheduler.loads is not None and self.scheduler.loads.loading:
                 self.offload.wait_for_loads(LOAD_WAIT_S)  # nothing else to run: idle until a read is in
             return []
+        shape = self._step_shape(sched.num_scheduled_tokens) if self.step_log is not None else []
         start = time.perf_counter()
         try:
             out = self.runner.execute(sched)
+            seconds = time.perf_counter() - start
             predictor = self.scheduler.predictor
             if isinstance(predictor, LinearStepModel):
-                predictor.observe(self.scheduler.last_shape, time.perf_counter() - start)
+                predictor.observe(self.scheduler.last_shape, seconds)
+            if self.step_log is not None:
+                self.step_log.record(wall_time(start), seconds, shape)
         except Exception as exc:  # a broken batch fails its requests, not the engine
             logger.exception("model step failed")
             out = ModelRunnerOutput({}, failed={rid: f"{type(exc).__name__}: {exc}"
@@ -160,6 +168,11 @@ class EngineCore:
         if out.draft_token_ids:
             self.scheduler.update_draft_token_ids(out.draft_token_ids)
         return outputs
+
+    def _step_shape(self, scheduled: dict[str, int]) -> list[tuple[int, int]]:
+        """(tokens this step, tokens computed before) per request: what the step log records."""
+        requests = self.scheduler.requests
+        return [(n, requests[rid].num_computed_tokens) for rid, n in scheduled.items()]
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -43,7 +43,8 @@ class LLM:
                  online_slowdown: float = _DEFAULTS.online_slowdown,
                  kv_offload_cpu_bytes: int | str | None = None, kv_offload_disk: str | None = None,
                  kv_offload_disk_bytes: int | str | None = None, kv_offload_redis: str | None = None,
-                 kv_offload_codec: str | None = None, kv_offload_config: str | None = None) -> None:
+                 kv_offload_codec: str | None = None, kv_offload_config: str | None = None,
+                 step_log: str | None = None) -> None:
         offload = OffloadConfig.from_options(
             kv_offload_config=kv_offload_config, kv_offload_cpu_bytes=kv_offload_cpu_bytes,
             kv_offload_disk=kv_offload_disk, kv_offload_disk_bytes=kv_offload_disk_bytes,
@@ -57,7 +58,7 @@ class LLM:
                           scheduling_policy=scheduling_policy, online_ttft_slo=online_ttft_slo,
                           online_itl_slo=online_itl_slo, offline_min_share=offline_min_share,
                           max_offline_queued_tokens=max_offline_queued_tokens, online_slowdown=online_slowdown,
-                          kv_offload=offload if offload.enabled else None)
+                          kv_offload=offload if offload.enabled else None, step_log=step_log)
         self.engine = LLMEngine.from_args(args)
         self._ids = itertools.count()
 

@@ -59,6 +59,8 @@ class EngineArgs:
     """vLLM's shape, e.g. {"method": "ngram", "num_speculative_tokens": 5}; JSON text or a dict."""
     kv_offload: OffloadConfig | None = None
     """KV tiers below the pool (host memory, disk, Redis); None = off."""
+    step_log: str | None = None
+    """Append each model step's time and shape to this file (threefold/engine/step_log.py); None = off."""
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -89,7 +91,7 @@ class LLMEngine:
         cache_config, self.guard = resolve_guard(loaded, cache_config, self.max_model_len)
         """guard: specs: what the startup calibration chose and measured (None otherwise)."""
         self.core = EngineCore(loaded, cache_config, sched_config, self.max_model_len, args.device,
-                               args.speculative, args.kv_offload)
+                               args.speculative, args.kv_offload, args.step_log)
         if self.guard is not None:
             g = self.guard
             self.core.cache_info["kv_guard"] = {"guard": g.guard, "budget": g.budget, "predicted_kl": g.predicted_kl,

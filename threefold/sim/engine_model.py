@@ -26,13 +26,14 @@ JSON; `EngineModel.load` reads it back. Older files have no split steps and no
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 
+from threefold.engine.step_log import LoggedStep
 from threefold.errors import ThreefoldError
 from threefold.spec.adaptive import StepCostModel
 
@@ -91,6 +92,30 @@ class EngineModel:
         """`num_tokens` computed (prefill + one per decode); `chunk_pairs`: the prefill chunks' `attention_pairs`."""
         return (self.cost(num_tokens) + self.prefill_attention_s * chunk_pairs + self.per_context_s * context
                 + self.per_prefill_context_s * prefill_context)
+
+    def shape_seconds(self, shape: Iterable[tuple[int, int]]) -> float:
+        """A step as the step log records it: (tokens this step, tokens computed before) per request; a
+        request computing one token is a decode over its context, more is a prefill chunk."""
+        decodes = [before for n, before in shape if n == 1]
+        chunks = [(n, before) for n, before in shape if n > 1]
+        return self.step_seconds(len(decodes) + sum(n for n, _ in chunks), sum(decodes),
+                                 sum(n * before for n, before in chunks), sum(attention_pairs(n) for n, _ in chunks))
+
+    def drift(self, steps: Iterable[LoggedStep]) -> dict[str, dict[str, float]]:
+        """Measured against modelled seconds of real steps (a replica's `--step-log`), per kind of step:
+        how much slower (> 1) or faster the replicas ran than this calibration predicts."""
+        kinds: dict[str, list[float]] = {}
+        for step in steps:
+            prefill = sum(n for n, _ in step.shape if n > 1)
+            kind = "decode only" if not prefill else "prefill >= 512" if prefill >= 512 else "prefill < 512"
+            for name in (kind, "all"):
+                totals = kinds.setdefault(name, [0, 0.0, 0.0])
+                totals[0] += 1
+                totals[1] += step.seconds
+                totals[2] += self.shape_seconds(step.shape)
+        return {name: {"steps": n, "measured_s": measured, "modelled_s": modelled,
+                       "ratio": measured / modelled if modelled else float("nan")}
+                for name, (n, measured, modelled) in kinds.items()}
 
     def prefill_seconds(self, num_tokens: int) -> float:
         """One fresh prompt of `num_tokens` prefilled in one step."""
