@@ -243,9 +243,10 @@ class DiskTier(Tier):
                 try:
                     if not (self.direct and self._write_direct(tmp, record, buffer, spare is not None)):
                         _write_buffered(tmp, record)
-                except FileNotFoundError:  # the block's directory is not made yet (or was removed)
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    if not (self.direct and self._write_direct(tmp, record, buffer, spare is not None)):
+                except FileNotFoundError:  # no directory for the block yet (or the spare was deleted: a
+                    path.parent.mkdir(parents=True, exist_ok=True)  # restarting instance clears temporaries)
+                    tmp = path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}"
+                    if not (self.direct and self._write_direct(tmp, record, buffer, False)):
                         _write_buffered(tmp, record)
                 try:
                     os.replace(tmp, path)
