@@ -14,9 +14,10 @@ import pytest
 
 from threefold.errors import ThreefoldError
 from threefold.kvstore import FORMAT_VERSION, Namespace, OffloadConfig, TieredKVStore, add_offload_args
+from threefold.kvstore import disk as disk_module
 from threefold.kvstore.config import parse_bytes
 from threefold.kvstore.disk import DiskTier
-from threefold.kvstore.frame import OVERHEAD, FrameError, decode, encode
+from threefold.kvstore.frame import OVERHEAD, FrameError, RecordBuffer, decode, encode
 from threefold.kvstore.memory import MemoryTier
 from threefold.kvstore.tier import Backoff, Tier
 
@@ -118,6 +119,18 @@ def test_frame_round_trip_and_every_corruption_is_refused():
         assert info.value.reason == reason
 
 
+def test_the_record_buffer_frames_like_encode_in_an_aligned_buffer():
+    buffer = RecordBuffer()
+    for size in (1000, 368_640, 10):  # grows past its first page, then reuses the larger buffer
+        payload = os.urandom(size)
+        record = buffer.pack(payload, NS.digest, FORMAT_VERSION)
+        assert bytes(record) == encode(payload, NS.digest, FORMAT_VERSION)
+        assert decode(bytes(record), NS.digest, FORMAT_VERSION) == payload
+        padded = buffer.padded(4096)
+        assert len(padded) % 4096 == 0 and len(record) <= len(padded) < len(record) + 4096
+        assert bytes(padded[:len(record)]) == bytes(record)
+
+
 # ---- memory tier and the store over it --------------------------------------------
 
 
@@ -209,6 +222,44 @@ def test_disk_round_trip_lru_and_restart(tmp_path):
         assert restarted.tiers[0].keys() == [NS.key(h) for h in (hashes[2], hashes[0], hashes[3])]
     with TieredKVStore(OffloadConfig(disk_dir=str(tmp_path)), Namespace("weights-sha:NEW", "auto", 16)) as other:
         assert other.lookup(hashes) == [] and other.get(hashes[0]) is None  # new weights: no stale KV
+
+
+def test_a_full_disk_tier_writes_over_its_evicted_files_and_never_serves_one_read_while_reused(
+        tmp_path, monkeypatch):
+    record = 4096 + OVERHEAD
+    tier = DiskTier(tmp_path, 2 * record)
+    assert tier.direct  # ext4 (spares are kept only for direct writes)
+    blocks = [(NS.key(h), encode(p, NS.digest, FORMAT_VERSION)) for h, p in (block(i) for i in range(4))]
+    tier.put(*blocks[0])
+    tier.put(*blocks[1])
+    first_inode = tier.path_of(blocks[0][0]).stat().st_ino
+    tier.put(*blocks[2])  # evicts 0: its file is written over, not unlinked and created anew
+    assert tier.path_of(blocks[2][0]).stat().st_ino == first_inode
+    assert tier.get(blocks[2][0]) == blocks[2][1] and tier.get(blocks[0][0]) is None
+    # A read of 1 that opens its file just before a put evicts 1 and writes 3 over that same file:
+    # the reader then holds 3's valid record, and must not return it as 1's.
+    second_inode = tier.path_of(blocks[1][0]).stat().st_ino
+    real_open = open
+
+    def open_then_evict(path, *args):
+        file = real_open(path, *args)
+        if path == tier.path_of(blocks[1][0]):
+            tier.put(*blocks[3])
+        return file
+
+    monkeypatch.setattr(disk_module, "open", open_then_evict, raising=False)
+    assert tier.get(blocks[1][0]) is None
+    monkeypatch.undo()
+    assert tier.path_of(blocks[3][0]).stat().st_ino == second_inode  # 3 went into 1's old file
+    assert tier.get(blocks[3][0]) == blocks[3][1] and tier.check_integrity() == []
+    tier.put(NS.key(b"x" * 32), encode(os.urandom(8192), NS.digest, FORMAT_VERSION))  # evicts both: 2 spares
+    (spare,) = tmp_path.rglob(".tmp-spare-*")  # one was written over, one is left
+    spare.unlink()  # as a restarting instance on the same directory clears temporaries
+    empty = encode(b"", NS.digest, FORMAT_VERSION)  # fits without evicting: the deleted spare is next
+    assert tier.put(NS.key(b"y" * 32), empty)  # a new file instead, no fault
+    assert tier.get(NS.key(b"y" * 32)) == empty and tier.check_integrity() == []
+    tier.close()
+    assert not list(tmp_path.rglob(".tmp-*"))  # close deletes the spares
 
 
 @pytest.mark.parametrize("damage,reason", [("flip", "checksum"), ("truncate", "truncated")])

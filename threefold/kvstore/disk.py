@@ -4,15 +4,17 @@
 
 Each file is written to a temporary name and renamed over its final name, so a reader sees a whole
 block or none (the frame's checksum still catches what the disk itself garbles). The write bypasses
-the page cache (O_DIRECT, from one reused page-aligned buffer) where the filesystem allows it: on this
-VM a buffered 720 KiB block costs the writer 4-9 ms of CPU (page-cache pages allocated and copied
-into, then written back by the kernel), a direct write 0.4-0.5 ms, and every CPU-second the writer
-spends is taken from the engine's compute threads. A direct write returns when the device has the
-data, so no fsync: the data is on the device before the rename makes it visible; a power cut may
-still lose the newest blocks or leave one the checksum rejects, which a cache recomputes. Where
-O_DIRECT is refused (tmpfs), the write is buffered and fsynced before the rename. The LRU index
-lives in memory and is rebuilt from the directory at startup, ordered by modification time (a read
-touches the file), so a restarted engine finds its blocks and keeps evicting the coldest.
+the page cache (O_DIRECT, straight from the writer's page-aligned RecordBuffer, frame.py) where the
+filesystem allows it: on this VM a buffered 720 KiB block costs the writer 4-9 ms of CPU (page-cache
+pages allocated and copied into, then written back by the kernel), a direct write 0.4-0.5 ms, and
+every CPU-second the writer spends is taken from the engine's compute threads. A direct write returns
+when the device has the data, so no fsync: the data is on the device before the rename makes it
+visible; a power cut may still lose the newest blocks or leave one the checksum rejects, which a
+cache recomputes. Where O_DIRECT is refused (tmpfs), the write is buffered and fsynced before the
+rename. A full tier writes over its evicted blocks' files (SPARE_FILES) instead of creating new ones:
+creating the file is most of a direct write's CPU. The LRU index lives in memory and is rebuilt from
+the directory at startup, ordered by modification time (a read touches the file), so a restarted
+engine finds its blocks and keeps evicting the coldest.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import uuid
 from collections import OrderedDict
 from pathlib import Path
 
+from threefold.kvstore.frame import RecordBuffer, padded_size
 from threefold.kvstore.keys import DIGEST_BYTES
 from threefold.kvstore.tier import Backoff, Tier, TierFault
 
@@ -36,6 +39,11 @@ SUFFIX = ".kv"
 TMP_PREFIX = ".tmp-"
 DIRECT_ALIGN = 4096
 """O_DIRECT's unit for buffer address, length and file offset (any disk's logical block divides it)."""
+SPARE_FILES = 32
+"""Evicted blocks' files kept for reuse at most. Creating a file costs this VM's kernel 0.1-0.3 ms of
+CPU (an inode, its first blocks, journal entries: most of a 360 KiB block's write), overwriting one
+in place well under 0.1 ms; a full tier evicts a block for every block it writes. Spares are left-over
+temporaries: not counted in used_bytes, deleted on close and at the next startup."""
 
 
 def _write_fault(exc: OSError) -> TierFault:
@@ -61,6 +69,7 @@ class DiskTier(Tier):
         """Whether writes bypass the page cache; False after the filesystem refused it once."""
         self._direct_buffer = mmap.mmap(-1, DIRECT_ALIGN)  # page-aligned; grown to the largest record
         self._write_lock = threading.Lock()  # one writer of the buffer at a time
+        self._spares: list[Path] = []  # evicted blocks' files, renamed to temporaries, to write over
         self.num_evicted = 0
         self._try_open(startup=True)
 
@@ -125,12 +134,19 @@ class DiskTier(Tier):
             return None
         path = self.path_of(key)
         try:
-            data = path.read_bytes()
-        except FileNotFoundError:  # another instance on the same directory evicted it
+            with open(path, "rb") as file:
+                inode = os.fstat(file.fileno()).st_ino
+                data = file.read()
+            # Still this block's file? An evicted file is renamed away, then written over in place as a
+            # spare (SPARE_FILES): read meanwhile, it may hold another block's valid record.
+            same = os.stat(path).st_ino == inode
+        except FileNotFoundError:  # evicted meanwhile (by us, or another instance on the directory)
             self._forget(key)
             return None
         except OSError as exc:
             raise TierFault("read", str(exc)) from exc
+        if not same:
+            return None  # written again since we opened it: a miss this time
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
@@ -141,19 +157,19 @@ class DiskTier(Tier):
         return data
 
     def put(self, key: bytes, value: bytes) -> bool:
-        return self.put_record(key, (value,))
+        return self.put_record(key, memoryview(value))
 
-    def put_record(self, key: bytes, parts: tuple[bytes, ...]) -> bool:
+    def put_record(self, key: bytes, record: memoryview, buffer: RecordBuffer | None = None) -> bool:
         if not self.available():
             raise TierFault("skipped", "disk tier unusable")
         if not self._backoff.ready():
             raise TierFault("skipped", "backing off after a write fault")
-        size = sum(len(part) for part in parts)
+        size = len(record)
         if size > self._capacity or key in self._index:
             return False  # same key, same bytes: the key names the weights, codec and tokens
         try:
             self._make_room(size)
-            self._write_atomically(self.path_of(key), parts)
+            self._write_atomically(self.path_of(key), record, buffer)
         except OSError as exc:
             self._backoff.failed()
             raise _write_fault(exc) from exc
@@ -210,39 +226,57 @@ class DiskTier(Tier):
         with self._lock:
             return list(self._index)
 
+    def close(self) -> None:
+        with self._write_lock:
+            for spare in self._spares:
+                with contextlib.suppress(OSError):
+                    spare.unlink()
+            self._spares.clear()
+
     # ---- helpers ---------------------------------------------------------------
 
-    def _write_atomically(self, path: Path, parts: tuple[bytes, ...]) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}"
-        try:
-            with self._write_lock:
-                if not (self.direct and self._write_direct(tmp, parts)):
-                    _write_buffered(tmp, parts)
-            os.replace(tmp, path)
-        except OSError:
-            tmp.unlink(missing_ok=True)
-            raise
+    def _write_atomically(self, path: Path, record: memoryview, buffer: RecordBuffer | None) -> None:
+        with self._write_lock:
+            spare = self._spares.pop() if self._spares and self.direct else None
+            tmp = spare or path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}"
+            try:
+                try:
+                    if not (self.direct and self._write_direct(tmp, record, buffer, spare is not None)):
+                        _write_buffered(tmp, record)
+                except FileNotFoundError:  # no directory for the block yet (or the spare was deleted: a
+                    path.parent.mkdir(parents=True, exist_ok=True)  # restarting instance clears temporaries)
+                    tmp = path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}"
+                    if not (self.direct and self._write_direct(tmp, record, buffer, False)):
+                        _write_buffered(tmp, record)
+                try:
+                    os.replace(tmp, path)
+                except FileNotFoundError:  # a spare from another directory, and this one is not made yet
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(tmp, path)
+            except OSError:
+                tmp.unlink(missing_ok=True)
+                raise
 
-    def _write_direct(self, tmp: Path, parts: tuple[bytes, ...]) -> bool:
-        """Write the record with O_DIRECT through the aligned buffer, padded to DIRECT_ALIGN, then cut
-        to its size; False (and never again) where the filesystem refuses O_DIRECT."""
-        size = sum(len(part) for part in parts)
-        padded = -(-size // DIRECT_ALIGN) * DIRECT_ALIGN
-        if len(self._direct_buffer) < padded:
-            self._direct_buffer.close()
-            self._direct_buffer = mmap.mmap(-1, padded)
-        buffer = memoryview(self._direct_buffer)
-        offset = 0
-        for part in parts:
-            buffer[offset: offset + len(part)] = part
-            offset += len(part)
+    def _write_direct(self, tmp: Path, record: memoryview, buffer: RecordBuffer | None, reuse: bool) -> bool:
+        """Write the record with O_DIRECT, padded to DIRECT_ALIGN, then cut to its size; False (and
+        never again) where the filesystem refuses O_DIRECT. From the writer's aligned RecordBuffer as
+        it is, else through the tier's own aligned buffer. `reuse`: `tmp` is a spare file (overwritten
+        in place: no inode to create, no blocks to allocate)."""
+        size = len(record)
+        if buffer is not None:
+            source = buffer.padded(DIRECT_ALIGN)
+        else:
+            if len(self._direct_buffer) < padded_size(size, DIRECT_ALIGN):
+                self._direct_buffer = mmap.mmap(-1, padded_size(size, DIRECT_ALIGN))
+            source = memoryview(self._direct_buffer)[:padded_size(size, DIRECT_ALIGN)]
+            source[:size] = record
+        flags = os.O_WRONLY | os.O_DIRECT | (0 if reuse else os.O_CREAT | os.O_EXCL)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+            fd = os.open(tmp, flags, 0o644)
             try:
                 written = 0
-                while written < padded:  # a short write of a whole number of blocks continues aligned
-                    written += os.write(fd, buffer[written:padded])
+                while written < len(source):  # a short write of a whole number of blocks continues aligned
+                    written += os.write(fd, source[written:])
                 os.ftruncate(fd, size)
             finally:
                 os.close(fd)
@@ -263,7 +297,18 @@ class DiskTier(Tier):
                 key, size = self._index.popitem(last=False)
                 self._used -= size
                 self.num_evicted += 1
-            self.path_of(key).unlink(missing_ok=True)
+            self._retire(self.path_of(key))
+
+    def _retire(self, path: Path) -> None:
+        """Remove an evicted block's file: kept as a spare for the next write while there are fewer
+        than SPARE_FILES (renamed out of the index's names first: never read as a block again)."""
+        if self.direct and len(self._spares) < SPARE_FILES:
+            spare = path.parent / f"{TMP_PREFIX}spare-{uuid.uuid4().hex}"
+            with contextlib.suppress(FileNotFoundError), self._write_lock:  # (gone: another instance evicted it)
+                os.replace(path, spare)
+                self._spares.append(spare)
+            return
+        path.unlink(missing_ok=True)
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
@@ -272,19 +317,13 @@ class DiskTier(Tier):
                 self._used -= size
 
 
-def _write_buffered(path: Path, parts: tuple[bytes, ...]) -> None:
-    """Write the parts as they are (writev: no joined copy), fsynced: the data reaches the disk before
-    the name that points to it."""
+def _write_buffered(path: Path, record: memoryview) -> None:
+    """Write the record, fsynced: the data reaches the disk before the name that points to it."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        views = [memoryview(part) for part in parts if part]
-        while views:
-            written = os.writev(fd, views)
-            while views and written >= len(views[0]):
-                written -= len(views[0])
-                views.pop(0)
-            if views:
-                views[0] = views[0][written:]
+        written = 0
+        while written < len(record):
+            written += os.write(fd, record[written:])
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -16,6 +16,7 @@ write the store can write a matching hash too.
 
 from __future__ import annotations
 
+import mmap
 import struct
 import zlib
 
@@ -33,15 +34,46 @@ class FrameError(Exception):
         self.reason = reason
 
 
+PAGE = mmap.PAGESIZE
+
+
 def encode(payload: bytes, namespace_digest: bytes, version: int) -> bytes:
-    return b"".join(encode_parts(payload, namespace_digest, version))
-
-
-def encode_parts(payload: bytes, namespace_digest: bytes, version: int) -> tuple[bytes, bytes, bytes]:
-    """The record as (header, payload, checksum), for a writer that need not join them (a file: writev)."""
     header = _HEADER.pack(MAGIC, version, namespace_digest, len(payload))
-    crc = zlib.crc32(payload, zlib.crc32(header))
-    return header, payload, _CRC.pack(crc)
+    return header + payload + _CRC.pack(zlib.crc32(payload, zlib.crc32(header)))
+
+
+class RecordBuffer:
+    """One reused, page-aligned buffer that a writer frames each record into, in one pass: the payload
+    is copied in once and checksummed there, while its bytes are still in the cache (a CRC over the
+    payload where it lies reads it from memory a second time), and every tier writes the same view:
+    a file with O_DIRECT straight from it (the buffer is aligned: no staging copy), Redis as it is (no
+    joined copy). Not thread-safe: one per writer thread; a record is valid until the next `pack`."""
+
+    def __init__(self) -> None:
+        self._buffer = mmap.mmap(-1, PAGE)  # anonymous mmap: page-aligned, as O_DIRECT wants
+        self._size = 0
+
+    def pack(self, payload: bytes, namespace_digest: bytes, version: int) -> memoryview:
+        """Frame `payload` into the buffer; the record's bytes (the same as `encode` returns)."""
+        size = OVERHEAD + len(payload)
+        if len(self._buffer) < padded_size(size, PAGE):  # (the old one goes with the last view of it)
+            self._buffer = mmap.mmap(-1, padded_size(size, PAGE))
+        view = memoryview(self._buffer)
+        _HEADER.pack_into(view, 0, MAGIC, version, namespace_digest, len(payload))
+        end = _HEADER.size + len(payload)
+        view[_HEADER.size:end] = payload
+        _CRC.pack_into(view, end, zlib.crc32(view[:end]))
+        self._size = size
+        return view[:size]
+
+    def padded(self, align: int) -> memoryview:
+        """The last record and the bytes after it, up to a multiple of `align` (a power of two up to
+        PAGE): an O_DIRECT write's unit. The padding is stale bytes, for the writer to cut off."""
+        return memoryview(self._buffer)[:padded_size(self._size, align)]
+
+
+def padded_size(size: int, align: int) -> int:
+    return -(-size // align) * align
 
 
 def decode(record: bytes, namespace_digest: bytes, version: int) -> bytes:

@@ -20,6 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
+from threefold.kvstore.frame import RecordBuffer
 from threefold.kvstore.tier import Backoff, Tier, TierFault
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,10 @@ class RedisTier(Tier):
     def put(self, key: bytes, value: bytes) -> bool:
         self._call("SET", self._client.set, KEY_PREFIX + key, value)
         return True
+
+    def put_record(self, key: bytes, record: memoryview, buffer: RecordBuffer | None = None) -> bool:
+        """SET of the view as it is: the client sends a large value from the caller's buffer, uncopied."""
+        return self.put(key, record)  # type: ignore[arg-type]  # redis-py takes any bytes-like value
 
     def delete(self, key: bytes) -> None:
         self._call("DEL", self._client.delete, KEY_PREFIX + key)

@@ -37,7 +37,7 @@ from collections import deque
 
 from threefold.kvstore.config import OffloadConfig
 from threefold.kvstore.disk import DiskTier
-from threefold.kvstore.frame import FrameError, decode, encode_parts
+from threefold.kvstore.frame import FrameError, RecordBuffer, decode
 from threefold.kvstore.keys import Namespace
 from threefold.kvstore.memory import MemoryTier
 from threefold.kvstore.stats import StatsBook, StoreStats
@@ -108,6 +108,7 @@ class TieredKVStore:
         self._step_running = False
         self._busy_at = -math.inf  # monotonic time the engine last started or ended a step
         self._credit, self._refilled = WRITER_BURST_S, time.monotonic()
+        self._record_buffer = RecordBuffer()  # the writer thread's: each block framed once, for every tier
         self._writer = threading.Thread(target=self._write_loop, name="kv-offload-writer", daemon=True)
         self._writer.start()
 
@@ -313,14 +314,15 @@ class TieredKVStore:
         if above:
             self._enqueue(key, payload, above)
 
-    def _put_one(self, tier: Tier, key: bytes, payload: bytes, record: tuple[bytes, ...] | None) -> bool:
-        """Write one block to one tier (the payload, or the framed record's parts); False (counted) on a fault."""
+    def _put_one(self, tier: Tier, key: bytes, payload: bytes, record: memoryview | None) -> bool:
+        """Write one block to one tier (the payload, or the framed record in the writer's buffer);
+        False (counted) on a fault."""
         try:
             if not tier.framed:
                 written, size = tier.put(key, payload), len(payload)
             else:
                 assert record is not None
-                written, size = tier.put_record(key, record), sum(len(part) for part in record)
+                written, size = tier.put_record(key, record, self._record_buffer), len(record)
         except TierFault as fault:
             self._book.fault(tier.name, fault.kind)
             return False
@@ -363,7 +365,7 @@ class TieredKVStore:
             charged = self._wait_for_budget()
             cpu_start = time.thread_time()
             try:
-                record = encode_parts(payload, self.namespace.digest, self.namespace.format_version)
+                record = self._record_buffer.pack(payload, self.namespace.digest, self.namespace.format_version)
                 stored = [self._put_one(tier, key, payload, record) for tier in targets]
                 if self._memory is not None and all(stored) and len(targets) == len(self.tiers) - 1:
                     self._memory.settle(key)  # a fault below leaves it unsettled: the next put retries

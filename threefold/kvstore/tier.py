@@ -13,6 +13,10 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from threefold.kvstore.frame import RecordBuffer
 
 
 class TierFault(Exception):
@@ -56,10 +60,11 @@ class Tier(ABC):
     def put(self, key: bytes, value: bytes) -> bool:
         """Store a value; False when there was nothing to write (already held, or larger than the tier)."""
 
-    def put_record(self, key: bytes, parts: tuple[bytes, ...]) -> bool:
-        """`put` of the parts' concatenation (a framed record); a tier that can write the parts as they
-        are (a file) spares the copy."""
-        return self.put(key, b"".join(parts))
+    def put_record(self, key: bytes, record: memoryview, buffer: RecordBuffer | None = None) -> bool:
+        """`put` of a framed record, a view valid during the call only (a tier keeps no reference to it).
+        `buffer`: the page-aligned RecordBuffer the record lies in, if it does (a file can be written
+        from it with O_DIRECT as it is)."""
+        return self.put(key, bytes(record))
 
     @abstractmethod
     def delete(self, key: bytes) -> None: ...
