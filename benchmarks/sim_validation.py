@@ -190,7 +190,7 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def start_replicas(ns, model_path: Path | None = None) -> tuple[list[subprocess.Popen], list[str]]:
+def start_replicas(ns) -> tuple[list[subprocess.Popen], list[str]]:
     engines, urls = [], []
     cores = os.cpu_count() or 1
     for i in range(ns.replicas):
