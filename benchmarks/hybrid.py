@@ -42,6 +42,7 @@ import time
 
 from threefold.bench.datasets import LengthLimits, SampleRequest, load_humaneval, load_sharegpt
 from threefold.bench.tokenizer import load_tokenizer
+from threefold.config import SchedulerConfig
 from threefold.core.hybrid import step_cap
 from threefold.cpu import cpu_info
 from threefold.engine.llm_engine import EngineArgs, LLMEngine
@@ -304,8 +305,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--online-itl-slo", default="100ms")
     parser.add_argument("--online-ttft-slo", default="1s")
-    parser.add_argument("--online-slowdown", type=float, default=0.1,
-                        help="most offline work may lengthen a step with online work (share of its time alone)")
+    parser.add_argument("--online-slowdown", type=float, default=SchedulerConfig().online_slowdown,
+                        help="most offline work may lengthen a step of online decodes (share of its time alone)")
     parser.add_argument("--slowdowns", default="", help="more hybrid schedules at these --online-slowdown values")
     parser.add_argument("--saturated-requests", type=int, default=32, help="queued at once for the upper bound")
     parser.add_argument("--probe-duration", type=float, default=30.0)
