@@ -5,7 +5,6 @@ Deterministic: hand-built Requests through the core Scheduler with a fixed step-
 
 from __future__ import annotations
 
-
 import pytest
 
 from threefold.config import SchedulerConfig, parse_duration
