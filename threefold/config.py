@@ -106,8 +106,8 @@ class SchedulerConfig:
     online_itl_slo: float = 0.1
     """Seconds: the inter-token latency (one step) that offline work must not push online decodes past."""
     offline_min_share: float = 0.05
-    """Offline's floor whatever the online load: this share of the tokens online computes in a step
-    (at least one token), so batch work never starves."""
+    """Offline's floor whatever the online load: this share of the tokens online computes, owed from step
+    to step and paid in steps of online decodes (core/hybrid.py), so batch work never starves."""
     max_offline_queued_tokens: int = 4_000_000
     """Most prompt + max_tokens of unfinished offline requests; adding more is refused (429)."""
     online_slowdown: float = 0.2
