@@ -42,6 +42,7 @@ import time
 
 from threefold.bench.datasets import LengthLimits, SampleRequest, load_humaneval, load_sharegpt
 from threefold.bench.tokenizer import load_tokenizer
+from threefold.config import SchedulerConfig
 from threefold.core.hybrid import step_cap
 from threefold.cpu import cpu_info
 from threefold.engine.llm_engine import EngineArgs, LLMEngine
@@ -304,8 +305,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--online-itl-slo", default="100ms")
     parser.add_argument("--online-ttft-slo", default="1s")
-    parser.add_argument("--online-slowdown", type=float, default=0.1,
-                        help="most offline work may lengthen a step with online work (share of its time alone)")
+    parser.add_argument("--online-slowdown", type=float, default=SchedulerConfig().online_slowdown,
+                        help="most offline work may lengthen a step of online decodes (share of its time alone)")
     parser.add_argument("--slowdowns", default="", help="more hybrid schedules at these --online-slowdown values")
     parser.add_argument("--saturated-requests", type=int, default=32, help="queued at once for the upper bound")
     parser.add_argument("--probe-duration", type=float, default=30.0)
@@ -314,6 +315,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--capacity-share", type=float, default=None,
                         help="skip the probe: capacity = this share of the saturated rate measured now (the idle "
                              "machine's probe gave 1.5 of 1.97 req/s: 0.76), for a machine whose load moved")
+    parser.add_argument("--baseline-from", default=None,
+                        help="take the saturated rate, capacity and offline-alone rates from this earlier --out file")
     parser.add_argument("--out", default=None, help="JSON of every cell's samples (rewritten after each cell)")
     parser.add_argument("--report", default=None, help="print the table of a saved --out file and exit")
     return parser.parse_args()
@@ -358,6 +361,42 @@ def load_saved(path: str) -> tuple[dict, list[dict]]:
     return data, cells
 
 
+def measure_baseline(loaded, base: dict, ns: argparse.Namespace, online: list[SampleRequest],
+                     offline: list[SampleRequest], itl_slo: float) -> dict:
+    """The saturated rate, the capacity (given, a share of the saturated rate, or probed) and offline alone."""
+    upper = saturated_rate(loaded, base, online[: ns.saturated_requests])
+    capacity, probe = ns.capacity, []
+    if capacity is None and ns.capacity_share is not None:
+        capacity = ns.capacity_share * upper
+    if capacity is None:
+        capacity, probe = probe_capacity(loaded, base, online, upper, itl_slo, ns.probe_duration, ns.probe_steps)
+    print(f"capacity: {capacity:.3f} online requests/s (all at once: {upper:.3f})", flush=True)
+    alone_cells = {policy: run(loaded, base, policy, [], ns.duration, online, offline) for policy in ("fcfs", "hybrid")}
+    alone = {policy: cell["offline_tok_s"] for policy, cell in alone_cells.items()}
+    print(f"offline alone: {alone['fcfs']:.1f} tok/s whole steps, {alone['hybrid']:.1f} tok/s capped", flush=True)
+    for policy, cell in alone_cells.items():
+        steps = cell["steps"]["offline-only"]
+        print(f"  {policy}: {steps['steps']} steps, {steps['offline_tokens'] / max(steps['steps'], 1):.0f} tokens "
+              f"({steps['offline_decodes'] / max(steps['steps'], 1):.1f} decodes) a step, p50 "
+              f"{steps['measured_p50'] * 1e3:.0f} ms, measured/predicted p50 "
+              f"{steps['measured_over_predicted_p50']:.2f}", flush=True)
+    return {"capacity_rps": capacity, "saturated_rps": upper, "probe": probe, "offline_alone_tok_s": alone,
+            "offline_alone_steps": {p: c["steps"] for p, c in alone_cells.items()}}
+
+
+def baseline_from(path: str, ns: argparse.Namespace) -> dict:
+    """The saturated rate, capacity and offline-alone rates of an earlier run (--out file), so a run split
+    in two (e.g. one load at a time) shares one baseline; --capacity still overrides the capacity."""
+    saved, _ = load_saved(path)
+    keys = ("capacity_rps", "saturated_rps", "probe", "offline_alone_tok_s", "offline_alone_steps")
+    info = {key: saved[key] for key in keys} | {"baseline_from": path}
+    if ns.capacity is not None:
+        info["capacity_rps"] = ns.capacity
+    print(f"baseline from {path}: capacity {info['capacity_rps']:.3f} req/s (all at once: "
+          f"{info['saturated_rps']:.3f}), offline alone {info['offline_alone_tok_s']}", flush=True)
+    return info
+
+
 def main() -> None:
     ns = parse_args()
     if ns.report:
@@ -377,26 +416,12 @@ def main() -> None:
     slo = EngineArgs(**base).configs()[2]
     cpu = cpu_info()
     print(f"{cpu.model} ({platform.machine()}); step cap {step_cap(slo) * 1e3:.0f} ms", flush=True)
-    upper = saturated_rate(loaded, base, online[: ns.saturated_requests])
-    capacity, probe = ns.capacity, []
-    if capacity is None and ns.capacity_share is not None:
-        capacity = ns.capacity_share * upper
-    if capacity is None:
-        capacity, probe = probe_capacity(loaded, base, online, upper, slo.online_itl_slo, ns.probe_duration,
-                                         ns.probe_steps)
-    print(f"capacity: {capacity:.3f} online requests/s (all at once: {upper:.3f})", flush=True)
-    alone_cells = {policy: run(loaded, base, policy, [], ns.duration, online, offline) for policy in ("fcfs", "hybrid")}
-    alone = {policy: cell["offline_tok_s"] for policy, cell in alone_cells.items()}
-    print(f"offline alone: {alone['fcfs']:.1f} tok/s whole steps, {alone['hybrid']:.1f} tok/s capped", flush=True)
-    for policy, cell in alone_cells.items():
-        steps = cell["steps"]["offline-only"]
-        print(f"  {policy}: {steps['steps']} steps, {steps['offline_tokens'] / max(steps['steps'], 1):.0f} tokens "
-              f"({steps['offline_decodes'] / max(steps['steps'], 1):.1f} decodes) a step, p50 "
-              f"{steps['measured_p50'] * 1e3:.0f} ms, measured/predicted p50 "
-              f"{steps['measured_over_predicted_p50']:.2f}", flush=True)
-    run_info = {"cpu": str(cpu), "capacity_rps": capacity, "saturated_rps": upper, "probe": probe,
-                "offline_alone_tok_s": alone, "offline_alone_steps": {p: c["steps"] for p, c in alone_cells.items()},
-                "args": vars(ns)}
+    if ns.baseline_from:
+        run_info = baseline_from(ns.baseline_from, ns)
+    else:
+        run_info = measure_baseline(loaded, base, ns, online, offline, slo.online_itl_slo)
+    run_info.update(cpu=str(cpu), args=vars(ns))
+    capacity = run_info["capacity_rps"]
     cells: list[dict] = []
     extra = [float(x) for x in ns.slowdowns.split(",") if x]
     for round_ in range(ns.rounds):

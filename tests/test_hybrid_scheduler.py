@@ -5,15 +5,14 @@ Deterministic: hand-built Requests through the core Scheduler with a fixed step-
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from threefold.config import SchedulerConfig, parse_duration
-from threefold.core.hybrid import step_cap, step_time_limit
+from threefold.core import hybrid
+from threefold.core.hybrid import floor_tokens, step_cap, step_time_limit
 from threefold.core.kv_cache_manager import KVCacheManager
 from threefold.core.outputs import ModelRunnerOutput, SchedulerOutput
-from threefold.core.request import Request, check_request_class
+from threefold.core.request import Request, RequestStatus, check_request_class
 from threefold.core.scheduler import Scheduler
 from threefold.core.step_cost import BatchShape, LinearStepModel
 from threefold.errors import ThreefoldError
@@ -84,13 +83,20 @@ def slow_fixed(shape) -> float:
     return 0.050 + 0.001 * shape.num_tokens
 
 
-def test_offline_fills_only_the_predicted_budget_while_online_runs():
+@pytest.fixture
+def ride_now(monkeypatch):
+    """Offline may ride online decode steps at once (no busy spell of BUSY_STEPS_TO_RIDE steps first)."""
+    monkeypatch.setattr(hybrid, "BUSY_STEPS_TO_RIDE", 0)
+
+
+def test_offline_fills_only_the_predicted_budget_while_online_runs(ride_now):
     s = make(num_blocks=256, budget=64, predictor=slow_fixed)
     for i in range(4):
         s.add_request(req(f"on{i}", 8, max_tokens=12, arrival=i, start=10 * i + 1))
     for i in range(10):
         s.add_request(req(f"off{i}", 60, "offline", max_tokens=4, arrival=10 + i, start=200 + 60 * i))
-    saw_cut, saw_full = False, False
+    reserve = floor_tokens(s.config)  # ceil(5% of 64) = 4: the most offline's floor may owe
+    saw_cut, saw_full, saw_ride = False, False, False
     while s.requests:
         online_before = {r.request_id: (r.num_tokens - r.num_computed_tokens, r.num_computed_tokens)
                          for r in s.running + s.waiting if not r.is_offline}
@@ -98,17 +104,18 @@ def test_offline_fills_only_the_predicted_budget_while_online_runs():
         online_ids = [rid for rid in out.num_scheduled_tokens if not s.requests[rid].is_offline]
         offline_tokens = tokens_of(s, out, offline=True)
         if online_ids:
-            prefilling = any(s.requests[rid].num_output_tokens == 0 for rid in online_ids)
-            # Online work is never cut for offline; offline past its floor keeps the step within 10% of
-            # the online work's own predicted step, and a step of online decodes within the 100 ms cap.
+            # Online work is never cut for offline.
             assert all(out.num_scheduled_tokens[rid] == online_before[rid][0] for rid in online_ids)
-            alone = BatchShape()
-            for rid in online_ids:
-                alone.add(out.num_scheduled_tokens[rid], online_before[rid][1])
-            limit = 1.1 * slow_fixed(alone) if prefilling else min(0.1, 1.1 * slow_fixed(alone))
-            floor = max(1, math.ceil(0.05 * tokens_of(s, out, offline=False)))  # 5% of online's tokens
-            assert offline_tokens <= floor or slow_fixed(s.last_shape) <= limit + 1e-12
-            saw_cut |= offline_tokens > floor and any(r.is_offline for r in s.waiting)  # held back
+            if any(s.requests[rid].num_output_tokens == 0 for rid in online_ids):
+                assert offline_tokens <= reserve  # an online prompt: offline's floor at most, never the budget
+            else:
+                # Online decodes: within 20% of their own predicted step (and the 100 ms cap), or the floor.
+                alone = BatchShape()
+                for rid in online_ids:
+                    alone.add(1, online_before[rid][1])
+                assert offline_tokens <= reserve or slow_fixed(s.last_shape) <= min(0.1, 1.2 * slow_fixed(alone))
+                saw_ride |= offline_tokens > reserve
+            saw_cut |= any(r.is_offline for r in s.waiting)  # held back
         else:
             # No online work: offline alone, cut at the cap too (an online arrival waits for this step).
             assert slow_fixed(s.last_shape) <= 0.1 + 1e-12
@@ -116,20 +123,29 @@ def test_offline_fills_only_the_predicted_budget_while_online_runs():
         sampled = {rid: [7] for rid, n in out.num_scheduled_tokens.items()
                    if s.requests[rid].num_computed_tokens + n >= s.requests[rid].num_tokens}
         s.update_from_output(out, ModelRunnerOutput(sampled))
-    assert saw_cut and saw_full
+    assert saw_cut and saw_full and saw_ride
     stats = s.stats()
     assert stats.num_preemptions == 0 and stats.offline_tokens == 10 * (60 + 3)  # each prompt and decode once
 
 
-def test_offline_in_online_decode_steps_adds_at_most_a_tenth():
-    """4 online decodes alone: 54 ms predicted; offline may bring the step to 59.4 ms (5 tokens), not the 100 ms cap."""
+def test_offline_rides_online_decode_steps_only_after_a_busy_spell(monkeypatch):
+    """4 online decodes alone: 54 ms predicted. Offline may bring the step to 64.8 ms (10 tokens at the
+    default 20%), not the 100 ms cap, and only once online work has kept the machine busy for a while:
+    while idle steps come often, a decode step carries only offline's floor."""
+    monkeypatch.setattr(hybrid, "BUSY_STEPS_TO_RIDE", 3)
     s = make(num_blocks=256, budget=64, predictor=slow_fixed)
     for i in range(4):
-        s.add_request(req(f"on{i}", 4, max_tokens=12, start=10 * i + 1))
+        s.add_request(req(f"on{i}", 4, max_tokens=40, start=10 * i + 1))
     run_step(s)  # the online prefills (offline not yet queued)
     s.add_request(req("off", 60, "offline", max_tokens=4, start=200))
-    out = run_step(s)
-    assert tokens_of(s, out, offline=False) == 4 and tokens_of(s, out, offline=True) == 5
+    riding = [tokens_of(s, run_step(s), offline=True) for _ in range(5)]
+    # Busy steps 0, 1, 2: the floor (5% of 4 online tokens a step, owed: one token, then 0.8 of credit).
+    assert riding == [1, 0, 0, 10, 10]
+    s.finish_requests([f"on{i}" for i in range(4)], RequestStatus.FINISHED_ABORTED)
+    assert tokens_of(s, run_step(s), offline=True) == 39  # offline alone: the rest of its prompt (the cap fits 50)
+    s.add_request(req("on9", 4, max_tokens=40, start=100))
+    run_step(s)  # the online prompt: no offline
+    assert tokens_of(s, run_step(s), offline=True) == 0  # after an idle step: no riding, the floor is in credit
 
 
 def test_fcfs_mixes_offline_in_like_online():
@@ -152,7 +168,7 @@ def grow_until_preemption(s: Scheduler) -> SchedulerOutput:
     raise AssertionError("no preemption")
 
 
-def test_offline_is_preempted_before_online_and_resumes_from_the_prefix_cache():
+def test_offline_is_preempted_before_online_and_resumes_from_the_prefix_cache(ride_now):
     s = make(num_blocks=16, budget=64, predictor=cost)  # 15 usable blocks of 4 tokens
     s.add_request(req("off", 12, "offline", max_tokens=30, arrival=0))
     s.add_request(req("on", 12, max_tokens=30, arrival=1, start=100))
@@ -265,7 +281,7 @@ def test_engine_offline_greedy_outputs_equal_online(make_llm):
         llm.generate(prompts[:1], params, request_class="batch")
 
 
-def test_metrics_report_queues_tokens_and_preemptions_by_class():
+def test_metrics_report_queues_tokens_and_preemptions_by_class(ride_now):
     from threefold.server.metrics import ServerMetrics
     s = make(num_blocks=16, budget=64, predictor=cost)
     s.add_request(req("off", 12, "offline", max_tokens=30, arrival=0))
@@ -276,7 +292,7 @@ def test_metrics_report_queues_tokens_and_preemptions_by_class():
     metrics.on_step(s.stats(), [], 0.0)
     text = metrics.render().decode()
     stats = s.stats()
-    # Offline rides in the online decode steps at its floor (one token), so off2 never started.
+    # Offline rides the online decode steps (one token each: 12 ms alone, 14.4 at 20%), so off2 never started.
     assert (stats.num_running, stats.num_running_offline, stats.num_waiting_offline) == (1, 0, 2)
     assert 'threefold:num_requests_running_by_class{model_name="m",request_class="online"} 1.0' in text
     assert 'threefold:num_requests_waiting_by_class{model_name="m",request_class="offline"} 2.0' in text
@@ -301,22 +317,38 @@ def test_offline_alone_keeps_steps_short_enough_for_an_online_arrival():
     assert run_step(u).num_scheduled_tokens == {"off": 64}
 
 
-def test_a_step_with_an_online_prefill_stretches_by_the_slowdown_share_only():
-    for slowdown, expected in ((0.1, 2), (0.5, 12), (0.0, 1)):
+def test_a_step_with_an_online_prompt_carries_no_offline_work(ride_now):
+    """The prompt steps are the online TTFT and the ITL tail: offline adds nothing there, whatever the slowdown."""
+    for slowdown, riders in ((0.1, 0), (0.5, 3), (0.0, 0)):
         s = make(num_blocks=256, budget=64, predictor=cost, online_slowdown=slowdown)
         for i in range(3):
             s.add_request(req(f"off{i}", 30, "offline", max_tokens=20, arrival=i, start=100 + 40 * i))
         run_step(s)  # offline alone: 45 tokens (the cap): off0's prompt and 15 of off1's
         s.add_request(req("on", 20, max_tokens=8, arrival=9, start=500))
         out = run_step(s)
-        # The online prompt (20 tokens, 50 ms alone) goes whole; offline may bring the step to
-        # (1 + slowdown) x 50 ms at 2 ms a token (5 ms: 2 tokens, 25 ms: 12), though 100 ms fits 25; with no
-        # slowdown allowed it gets its floor, ceil(5% of 20) = 1 token.
-        assert out.num_scheduled_tokens["on"] == 20 and tokens_of(s, out, offline=True) == expected
-        assert "off0" in out.num_scheduled_tokens  # the offline decode goes before off1's prompt chunk
-        out = run_step(s)  # now the online request decodes (12 ms alone): 10% is under a token: the floor
+        # The online prompt (20 tokens, 50 ms alone) goes whole and alone, though 100 ms would fit 25 more.
+        assert out.num_scheduled_tokens == {"on": 20}
+        out = run_step(s)  # now the online request decodes (12 ms alone): offline rides within the share
         assert out.num_scheduled_tokens["on"] == 1
-        assert tokens_of(s, out, offline=True) == {0.1: 1, 0.5: 3, 0.0: 1}[slowdown]
+        # 50%: 18 ms, 3 tokens (off0's decode first, then 2 of off1's prompt); 10%: 13.2 ms, none; and no
+        # floor either, as the offline-only step above earned offline its credit.
+        assert tokens_of(s, out, offline=True) == riders
+        if riders:
+            assert out.num_scheduled_tokens["off0"] == 1
+
+
+def test_the_floor_owed_in_a_prompt_step_is_paid_in_the_next_decode_step():
+    s = make(num_blocks=256, budget=64, predictor=cost)
+    s.add_request(req("off", 30, "offline", max_tokens=20, start=100))
+    s.add_request(req("on0", 4, max_tokens=20, start=1))
+    run_step(s)  # the first online prompt; offline waits (owed 0.2)
+    s.add_request(req("on1", 40, max_tokens=20, start=300))
+    out = run_step(s)  # on1's prompt and on0's decode: 41 online tokens
+    assert out.num_scheduled_tokens == {"on0": 1, "on1": 40}  # owed 0.2 + 2.05 = 2.25, under the reserve (4)
+    out = run_step(s)  # two online decodes: the debt is paid here
+    assert out.num_scheduled_tokens == {"on0": 1, "on1": 1, "off": 3}  # ceil(2.25 + 0.1)
+    assert s.offline_owed == pytest.approx(2.35 - 3)  # ahead by 0.65: the next steps owe nothing until it is spent
+    assert "off" not in run_step(s).num_scheduled_tokens
 
 
 def test_step_time_limit_by_step_kind():
@@ -330,15 +362,19 @@ def test_step_time_limit_by_step_kind():
     assert step_time_limit(config, [], False, None) == pytest.approx(0.05)  # offline alone: the cap
     assert step_time_limit(config, [decode], False, 0.03) == pytest.approx(0.036)  # 1.2 x alone
     assert step_time_limit(config, [decode], False, 0.045) == pytest.approx(0.05)  # ... within the cap
-    assert step_time_limit(config, [decode, prefill], False, 0.5) == pytest.approx(0.6)  # a prefill: 1.2 x only
-    assert step_time_limit(config, [recompute], False, 0.5) == pytest.approx(0.6)
+    assert step_time_limit(config, [decode, prefill], False, 0.5) is None  # an online prompt: the floor only
+    assert step_time_limit(config, [recompute], False, 0.5) is None
     assert step_time_limit(config, [decode], False, None) is None  # not calibrated: floor only
     assert step_time_limit(config, [decode], True, 0.03) is None  # online queued: floor only
     assert step_time_limit(config, [], True, None) is None
+    busy = hybrid.BUSY_STEPS_TO_RIDE
+    assert step_time_limit(config, [decode], False, 0.03, busy_steps=busy - 1) is None  # idle steps came lately
+    assert step_time_limit(config, [decode], False, 0.03, busy_steps=busy) == pytest.approx(0.036)
+    assert step_time_limit(config, [], False, None, busy_steps=0) == pytest.approx(0.05)
 
 
 def test_online_slowdown_is_a_validated_knob():
-    assert SchedulerConfig().online_slowdown == pytest.approx(0.1)
+    assert SchedulerConfig().online_slowdown == pytest.approx(0.2)
     for bad in (-0.1, 11.0, float("nan")):
         with pytest.raises(ThreefoldError, match="online_slowdown must be within"):
             SchedulerConfig(online_slowdown=bad)
@@ -384,7 +420,7 @@ def weights_bound(shape) -> float:
     return 0.040 + 0.001 * shape.num_tokens
 
 
-def test_offline_decodes_ride_along_online_decodes_within_the_slowdown():
+def test_offline_decodes_ride_along_online_decodes_within_the_slowdown(ride_now):
     for slowdown, riders in ((0.1, 4), (0.5, 8)):
         s = make(num_blocks=512, budget=256, predictor=weights_bound, online_slowdown=slowdown)
         for i in range(8):
@@ -394,7 +430,7 @@ def test_offline_decodes_ride_along_online_decodes_within_the_slowdown():
             run_step(s)  # offline alone prefills the 8 short prompts (capped steps)
         for i in range(4):
             s.add_request(req(f"on{i}", 8, max_tokens=20, arrival=30 + i, start=700 + 10 * i))
-        run_step(s)  # the online prompts: 72 ms alone, so up to 7 ms of offline beside them
+        run_step(s)  # the online prompts: 72 ms alone, and no offline beside them
         for _ in range(5):
             out = run_step(s)
             assert tokens_of(s, out, offline=False) == 4  # 4 online decodes: 44 ms alone

@@ -31,10 +31,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--online-itl-slo", default=sched.online_itl_slo,
                         help="online inter-token latency target offline work must keep, e.g. 100ms")
     parser.add_argument("--offline-min-share", type=float, default=sched.offline_min_share,
-                        help="share of each step's token budget offline work always gets (its floor)")
+                        help="share of the tokens online computes that offline work always gets (its floor)")
     parser.add_argument("--online-slowdown", type=float, default=sched.online_slowdown,
-                        help="most offline work may lengthen a step with online work, as a share of its time "
-                             "alone (0.1 = 10%%; higher: more offline throughput, slower online)")
+                        help="most offline work may lengthen a step of online decodes, as a share of its time "
+                             "alone (0.2 = 20%%; higher: more offline throughput, slower online)")
     parser.add_argument("--max-offline-queued-tokens", type=int, default=sched.max_offline_queued_tokens,
                         help="most prompt + max_tokens of unfinished offline requests")
     parser.add_argument("--block-size", type=int, default=cache.block_size)

@@ -106,14 +106,15 @@ class SchedulerConfig:
     online_itl_slo: float = 0.1
     """Seconds: the inter-token latency (one step) that offline work must not push online decodes past."""
     offline_min_share: float = 0.05
-    """Offline's floor whatever the online load: this share of the tokens online computes in a step
-    (at least one token), so batch work never starves."""
+    """Offline's floor whatever the online load: this share of the tokens online computes, owed from step
+    to step and paid in steps of online decodes (core/hybrid.py), so batch work never starves."""
     max_offline_queued_tokens: int = 4_000_000
     """Most prompt + max_tokens of unfinished offline requests; adding more is refused (429)."""
-    online_slowdown: float = 0.1
-    """Most offline work may lengthen a step carrying online work, as a share of that step's predicted
-    time without it (0.1: online decodes and prefills run within 10% of alone). Higher trades online
-    latency for offline throughput; 0 leaves offline only its floor while online runs."""
+    online_slowdown: float = 0.2
+    """Most offline work may lengthen a step of online decodes, as a share of its predicted time without it
+    (0.2: 20%), once the machine has been busy with online work for a while (core/hybrid.py); steps carrying
+    an online prompt get only offline's floor. Higher trades online latency for offline throughput; 0
+    leaves offline its floor and the idle gaps."""
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}.",

@@ -2,28 +2,33 @@
 
 Online work is planned first. Offline tokens are then added, request by
 request (decodes first: see Scheduler._schedule_hybrid), only while the
-predicted time of the whole step stays within its limit:
+predicted time of the whole step stays within its limit, which depends on
+what online work the step carries:
 
-- a step without online work is cut at the cap, `min(online_itl_slo,
-  ARRIVAL_WAIT_SHARE * online_ttft_slo)`: an online request that arrives
-  meanwhile waits for the step in flight, so the cap bounds what offline work
-  adds to a TTFT. Its floor applies only where one token already breaks the cap;
-- a step carrying online work may grow to `1 + online_slowdown` times its
-  predicted time without offline work (SchedulerConfig.online_slowdown, 10% by
-  default), and a step of online decodes no further than the cap: every online
-  decode gap and prefill chunk stays within that share of running alone;
-- a step planned while online requests still wait (the budget, the sequences or
-  the KV ran out) gets only the floor: at that load every second offline takes
-  is queueing added for online.
+- none: the step is cut at the cap, `min(online_itl_slo, ARRIVAL_WAIT_SHARE *
+  online_ttft_slo)`: an online request that arrives meanwhile waits for the step
+  in flight, so the cap bounds what offline work adds to a TTFT. This is where
+  offline prompts are prefilled;
+- an online prompt (a first token or a recompute): no offline work past the
+  floor. These steps are the online TTFT and the ITL tail (every running
+  request's decode gap in such a step is a prompt's prefill long), so they run
+  as online alone would;
+- online decodes only: `1 + online_slowdown` times its predicted time without
+  offline work (and the cap), but only while the machine has been busy for
+  BUSY_STEPS_TO_RIDE steps, no offline-only step among them. A step reads the
+  weights once, so offline decodes beside online ones are the cheapest offline
+  tokens there are; but every millisecond added to a decode step lengthens each
+  online request's life, so more of them are in flight when a long prompt runs
+  and more decode gaps land in the tail. At low load, where the ITL p99 sits at
+  the edge between decode gaps and prompt gaps, that moves the p99 even though
+  each decode step stays far under it; idle gaps give offline its room there;
+- online requests still waiting (the budget, the sequences or the KV ran out):
+  the floor only, as every second offline takes is queueing added for online.
 
-On a CPU the slack is the weights: a step reads them once whatever it carries,
-so a few offline decodes beside online ones cost a token's arithmetic each,
-while alone they would pay a whole step (the predictor's fixed cost). Idle time
-comes back as capped offline-only steps, where offline prompts are prefilled.
-
-Whatever the online load, offline gets at least `offline_min_share` of the
-tokens online computes in the step (one token at least; room for it is
-reserved before online is planned), so it never starves.
+The floor: offline is owed `offline_min_share` of every token online computes
+and is paid where it costs online least (floor_of_step), so it never starves;
+tokens it gets in idle steps count toward it. Room for the floor is reserved
+before online is planned.
 """
 
 from __future__ import annotations
@@ -41,20 +46,29 @@ StepPredictor = Callable[[BatchShape], float]
 ARRIVAL_WAIT_SHARE = 0.1
 """Most of online_ttft_slo an online arrival may wait for a step that carries offline work (its cap)."""
 
+BUSY_STEPS_TO_RIDE = 200
+"""Steps with online work, none offline-only between them, before offline rides beside online decodes
+(about 4-6 s of steps at 20-30 ms). Fewer let offline into decode steps at 30% load, where idle gaps
+already give it room, and the ITL p99 moved by 1.2-2x in the scheduler simulated on this machine's step
+times (BENCHMARKS.md, "Hybrid offline/online")."""
+
 
 class OfflineBudget:
     """One step's offline allowance: built after online is planned, asked per offline request."""
 
     def __init__(self, config: SchedulerConfig, predictor: StepPredictor | None, shape: BatchShape,
-                 online: list[Request], online_waiting: bool) -> None:
+                 online: list[Request], online_waiting: bool, owed: float = 0.0,
+                 busy_steps: int | None = None) -> None:
+        """owed: floor tokens carried from earlier steps (Scheduler.offline_owed); busy_steps: steps with
+        online work since the last offline-only one (None: not counted, as if busy for long)."""
         self.predictor = predictor
         self.shape = shape
         self.online_present = bool(online) or online_waiting
         alone = predictor(shape) if predictor is not None and online else None
-        self.limit = step_time_limit(config, online, online_waiting, alone)
-        # The floor scales with the step: offline's share of the tokens online computes in it (at least one).
-        share = config.offline_min_share
-        self.floor = 0 if share <= 0 else max(1, math.ceil(share * shape.num_tokens))
+        self.limit = step_time_limit(config, online, online_waiting, alone, busy_steps)
+        self.owed = owed + config.offline_min_share * shape.num_tokens
+        """Floor tokens owed to offline, this step's share of online's tokens included."""
+        self.floor = floor_of_step(config, self.owed, online, self.online_present)
         if not self.online_present:
             # Offline alone: the cap rules (an online arrival waits for this step). Only on a machine too
             # slow for one token within it does the floor, a share of the whole budget, keep offline moving.
@@ -63,6 +77,13 @@ class OfflineBudget:
         self.num_tokens = 0
         """Offline tokens granted so far this step."""
         self.exhausted = False
+
+    def still_owed(self, config: SchedulerConfig) -> float:
+        """Floor tokens carried to the next step: owed (> 0) or, after offline ran ahead, credit (< 0), at
+        most the reserve either way. Idle steps earn the credit, so at low load the floor costs online
+        nothing; under constant online load offline still gets its share, at most a reserve late."""
+        reserve = floor_tokens(config)
+        return min(max(self.owed - self.num_tokens, -reserve), reserve)
 
     def grant(self, request: Request, num_new: int) -> int:
         """How many of the num_new tokens this offline request may compute this step (0: stop asking)."""
@@ -96,8 +117,20 @@ class OfflineBudget:
 
 
 def floor_tokens(config: SchedulerConfig) -> int:
-    """Tokens held back from online planning so the floor always has room."""
+    """Tokens held back from online planning so the floor always has room (also the most it may owe)."""
     return math.ceil(config.offline_min_share * config.max_num_batched_tokens)
+
+
+def floor_of_step(config: SchedulerConfig, owed: float, online: list[Request], online_present: bool) -> int:
+    """Offline tokens this step grants whatever its limit: the floor owed so far, paid in a step of
+    online decodes (a token costs there what it costs anywhere, and adds no prompt's worth to a gap).
+    A step carrying an online prompt pays only once the debt reaches the reserve, which happens only
+    when online prompts leave no other step to pay in."""
+    if config.offline_min_share <= 0 or not online_present or owed <= 0:
+        return 0
+    if any(_first_token_pending(r) for r in online):
+        return math.ceil(owed) if owed >= floor_tokens(config) else 0
+    return math.ceil(owed)
 
 
 def step_cap(config: SchedulerConfig) -> float:
@@ -106,20 +139,22 @@ def step_cap(config: SchedulerConfig) -> float:
 
 
 def step_time_limit(config: SchedulerConfig, online: list[Request], online_waiting: bool,
-                    alone: float | None) -> float | None:
+                    alone: float | None, busy_steps: int | None = None) -> float | None:
     """Seconds the step may take with offline work in it (None: offline gets only the floor).
 
-    alone: the predicted seconds of the step's online work (None: not calibrated, or no online work)."""
+    alone: the predicted seconds of the step's online work (None: not calibrated, or no online work);
+    busy_steps: steps with online work since the last offline-only one (None: not counted)."""
     if online_waiting:
         return None
     if not online:
         return step_cap(config)
     if alone is None:
         return None  # not calibrated yet: online latency comes first
-    limit = (1 + config.online_slowdown) * alone
     if any(_first_token_pending(r) for r in online):
-        return limit  # a prefill chunk: its first token (and the decodes beside it) stretch by the share at most
-    return min(limit, step_cap(config))
+        return None  # an online prompt: its TTFT and the ITL tail
+    if busy_steps is not None and busy_steps < BUSY_STEPS_TO_RIDE:
+        return None  # idle gaps come often enough: offline takes those
+    return min((1 + config.online_slowdown) * alone, step_cap(config))
 
 
 def _first_token_pending(request: Request) -> bool:

@@ -113,6 +113,10 @@ class Scheduler:
         self.preemptions_by_class = {"online": 0, "offline": 0}
         self.offline_queued_tokens = 0
         """prompt + max_tokens of unfinished offline requests (the queue limit's count)."""
+        self.offline_owed = 0.0
+        """Offline's floor carried between steps: owed (> 0) or earned ahead in idle steps (< 0)."""
+        self.busy_steps = 0
+        """Hybrid steps with online work since the last offline-only one (offline rides decodes past a limit)."""
         self.offline_groups: dict[bytes, list] = {}
         """First-block key -> [group's first arrival, live members]: offline requests sharing it sort together."""
 
@@ -238,11 +242,14 @@ class Scheduler:
         plan.budget += reserve
         online = [self.requests[rid] for rid in plan.num_tokens]
         online_waiting = bool(self.waiting) and self.waiting[0].class_rank == 0  # sorted: online first
-        plan.offline = OfflineBudget(self.config, self.predictor, plan.shape, online, online_waiting)
+        plan.offline = OfflineBudget(self.config, self.predictor, plan.shape, online, online_waiting,
+                                     self.offline_owed, self.busy_steps)
+        self.busy_steps = 0 if not plan.offline.online_present else self.busy_steps + 1
         self._schedule_offline_decodes(plan)
         self._schedule_running(plan, rank=1)
         if not plan.out_of_blocks:
             self._schedule_waiting(plan, rank=1)
+        self.offline_owed = plan.offline.still_owed(self.config)
 
     def _schedule_offline_decodes(self, plan: _StepPlan) -> None:
         """Offline requests at their next output token go first: each is a token of arithmetic riding on
