@@ -7,6 +7,9 @@ For each workload (HumanEval prompts, greedy; ShareGPT *test*-split first turns,
 template, greedy) and each concurrency (1, 8, 32: a closed loop keeping that many
 requests in flight), every configuration runs over the same requests, interleaved
 (off, then each method, repeated --rounds times), in one process over one loaded model.
+Batch 1 runs the first 6 prompts; concurrency c runs c x --waves prompts, refilled as
+they finish, so the cell is a steady state (a finished request's slot goes to the next
+prompt) rather than one batch's makespan, which speculation can only lengthen.
 
     tok/s        output tokens / wall time of the whole run
     accept len   1 + accepted / drafts: tokens per verify step (vLLM's mean acceptance length)
@@ -116,7 +119,9 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--workloads", default="humaneval,sharegpt")
-    parser.add_argument("--num-prompts", type=int, default=32, help="per workload (batch 1 takes the first 6)")
+    parser.add_argument("--num-prompts", type=int, default=128, help="per workload (batch 1 takes the first 6)")
+    parser.add_argument("--waves", type=int, default=4,
+                        help="concurrency c > 1 runs c x waves prompts (at most --num-prompts), c in flight")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--dtype", default="auto")
@@ -132,11 +137,12 @@ def main() -> None:
     results = []
     for workload, prompts in workloads.items():
         for concurrency in map(int, args.concurrency.split(",")):
-            subset = prompts[:6] if concurrency == 1 else prompts[: max(concurrency, 16)]
+            subset = prompts[:6] if concurrency == 1 else prompts[: concurrency * args.waves]
             for round_index in range(args.rounds):
                 for name, engine in engines.items():
                     result = run(engine, subset, concurrency, args.max_tokens)
-                    result.update(workload=workload, concurrency=concurrency, config=name, round=round_index)
+                    result.update(workload=workload, concurrency=concurrency, config=name, round=round_index,
+                                  num_prompts=len(subset))
                     results.append(result)
                     print(json.dumps(result), flush=True)
     summary = summarize(results)

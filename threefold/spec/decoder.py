@@ -68,6 +68,8 @@ class Candidate:
     """Room left: never draft past max_tokens or the context (the scheduler may cut more)."""
     hidden_states: Tensor | None = None
     hidden_start: int = 0
+    owed: int | None = None
+    """Tokens it may still emit (max_tokens less its output; the controller's batch tail). None: unknown."""
 
 
 def speculation_allowed(params: SamplingParams) -> bool:
@@ -107,14 +109,15 @@ class SpecDecoder:
         return self.proposer.needs_hidden_states
 
     def propose(self, candidates: list[Candidate], base_tokens: int, base_emitted: int,
-                num_running: int | None = None) -> dict[str, Draft]:
+                num_running: int | None = None, num_waiting: int = 1) -> dict[str, Draft]:
         """Drafts for the next step (chains of at most k tokens, or trees at most k deep); requests
-        left out (k = 0) decode plainly."""
+        left out (k = 0) decode plainly. num_waiting: requests waiting for a slot (0: only the
+        batch's tail drafts, see adaptive.tail_weights)."""
         limit = self.config.disable_by_batch_size
         if limit is not None and (num_running or len(candidates)) >= limit:
             return {}
         eligible = [c for c in candidates if c.max_drafts > 0 and speculation_allowed(c.params)]
-        ks = self._choose(eligible, base_tokens, base_emitted)
+        ks = self._choose(eligible, base_tokens, base_emitted, num_waiting)
         asked = [(c, k) for c, k in zip(eligible, ks, strict=False) if k > 0]
         if not asked:
             return {}
@@ -126,11 +129,13 @@ class SpecDecoder:
         return {c.request_id: d if d.is_tree else Draft(d.token_ids[:k])
                 for (c, k), d in zip(asked, drafts, strict=False) if d.token_ids}
 
-    def _choose(self, eligible: list[Candidate], base_tokens: int, base_emitted: int) -> list[int]:
+    def _choose(self, eligible: list[Candidate], base_tokens: int, base_emitted: int, num_waiting: int) -> list[int]:
         k_max = self.config.num_speculative_tokens
         if self.controller is None:
             return [min(k_max, c.max_drafts) for c in eligible]
-        chosen = self.controller.choose([c.request_id for c in eligible], base_tokens, base_emitted)
+        owed = [c.owed for c in eligible]
+        chosen = self.controller.choose([c.request_id for c in eligible], base_tokens, base_emitted,
+                                        None if None in owed else owed, num_waiting)  # type: ignore[arg-type]
         return [min(k, c.max_drafts) for k, c in zip(chosen, eligible, strict=False)]
 
     def verify(self, request_ids: list[str], logits: Tensor, drafts: list[list[int]], params: list[SamplingParams],
@@ -155,9 +160,9 @@ class SpecDecoder:
                 self.controller.observe(rid, max(node_depths(draft.parent_ids or [])), accepted)
         return result
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
+    def observe_step(self, num_tokens: int, seconds: float, num_draft_rows: int = 0) -> None:
         if self.controller is not None:
-            self.controller.observe_step(num_tokens, seconds)
+            self.controller.observe_step(num_tokens, seconds, num_draft_rows)
 
     def remove(self, request_id: str) -> None:
         self.proposer.remove(request_id)
