@@ -98,13 +98,14 @@ TREES = {"eagle-tree": {"tree_top_k": 4, "tree_total_tokens": 12},
 """Tree variants (--methods eagle-tree,medusa-tree): verified in one forward with a tree mask."""
 
 
-def configs(methods: list[str], heads_dir: Path, k: int) -> dict[str, dict | None]:
+def configs(methods: list[str], heads_dir: Path, k: int, heads: dict[str, str] | None = None) -> dict[str, dict | None]:
+    """heads: method -> heads directory name under heads_dir (default smollm2-135m-<method>)."""
     out: dict[str, dict | None] = {"off": None}
     for name in methods:
         method = name.removesuffix("-tree")
         config = {"method": method, "num_speculative_tokens": k, **TREES.get(name, {})}
         if method in ("eagle", "medusa"):
-            config["model"] = str(heads_dir / f"smollm2-135m-{method}")
+            config["model"] = str(heads_dir / (heads or {}).get(method, f"smollm2-135m-{method}"))
             if not Path(config["model"]).is_dir():
                 print(f"skip {method}: no heads in {config['model']}")
                 continue
@@ -116,6 +117,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", default="ngram,eagle,medusa")
     parser.add_argument("--heads-dir", type=Path, default=Path.home() / ".cache/threefold/heads")
+    parser.add_argument("--eagle-heads", default="smollm2-135m-eagle", help="EAGLE head directory under --heads-dir")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--workloads", default="humaneval,sharegpt")
@@ -133,7 +135,11 @@ def main() -> None:
     workloads = {name: loaders[name]() for name in args.workloads.split(",")}
     engines = {name: LLMEngine(loaded, EngineArgs(dtype=args.dtype, kv_cache_memory=1 << 30, max_model_len=2048,
                                                   enable_prefix_caching=False, speculative_config=config))
-               for name, config in configs(args.methods.split(","), args.heads_dir, args.k).items()}
+               for name, config in configs(args.methods.split(","), args.heads_dir, args.k,
+                                                      {"eagle": args.eagle_heads}).items()}
+    warmup = next(iter(workloads.values()))[:4]
+    for engine in engines.values():  # first-call costs (weight packing, page faults) land outside every cell
+        run(engine, warmup, len(warmup), 8)
     results = []
     for workload, prompts in workloads.items():
         for concurrency in map(int, args.concurrency.split(",")):

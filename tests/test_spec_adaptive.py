@@ -102,6 +102,8 @@ def test_low_acceptance_drives_k_to_zero_with_rare_probes():
 def test_measured_draft_cost_can_turn_speculation_off():
     controller = AdaptiveController(StepCostModel({1: 0.01, 64: 0.011}), max_drafts=4)
     assert controller.choose(["r"], 1, 1) == [4]
+    controller.observe_draft_cost(4, 0.04)  # one call is enough evidence to stop (no EMA from zero)
+    assert controller.choose(["r"], 1, 1) == [0]
     for _ in range(100):  # a proposer costing a whole step per drafted token never pays at a = 0.5
         controller.observe_draft_cost(4, 0.04)
     assert controller.draft_seconds_per_token == pytest.approx(0.01, rel=1e-3)

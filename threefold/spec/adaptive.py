@@ -210,6 +210,7 @@ class AdaptiveController:
         self.acceptance = AcceptanceTracker(ema_weight)
         self.probe_interval = probe_interval
         self.draft_seconds_per_token = draft_seconds_per_token
+        self._draft_cost_measured = False
         self.idle_steps: dict[str, int] = {}
 
     def choose(self, request_ids: list[str], base_tokens: int, base_emitted: int,
@@ -239,9 +240,13 @@ class AdaptiveController:
         self.cost.observe(num_tokens, seconds, num_draft_rows)
 
     def observe_draft_cost(self, num_drafted: int, seconds: float, ema_weight: float = 0.1) -> None:
-        """Fold a measured proposer call into the seconds each drafted token costs."""
-        if num_drafted > 0:
-            self.draft_seconds_per_token += ema_weight * (seconds / num_drafted - self.draft_seconds_per_token)
+        """Fold a measured proposer call into the seconds each drafted token costs (the first call sets
+        it: an EMA from 0 would let an expensive proposer look cheap for its first few dozen calls)."""
+        if num_drafted <= 0:
+            return
+        weight = ema_weight if self._draft_cost_measured else 1.0
+        self.draft_seconds_per_token += weight * (seconds / num_drafted - self.draft_seconds_per_token)
+        self._draft_cost_measured = True
 
     def remove(self, request_id: str) -> None:
         self.acceptance.remove(request_id)

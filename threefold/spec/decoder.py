@@ -103,6 +103,9 @@ class SpecDecoder:
             tokens_for_depth=config.tree_tokens_by_depth())
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
         self.accepted_per_request: dict[str, int] = {}
+        self.deferred: set[str] = set()
+        """The last propose()'s candidates that may draft but got k = 0: the proposer did not see their
+        hidden rows, so the caller keeps those for their next call (EAGLE's context has no gaps)."""
 
     @property
     def needs_hidden_states(self) -> bool:
@@ -113,12 +116,14 @@ class SpecDecoder:
         """Drafts for the next step (chains of at most k tokens, or trees at most k deep); requests
         left out (k = 0) decode plainly. num_waiting: requests waiting for a slot (0: only the
         batch's tail drafts, see adaptive.tail_weights)."""
+        self.deferred = set()
         limit = self.config.disable_by_batch_size
         if limit is not None and (num_running or len(candidates)) >= limit:
             return {}
         eligible = [c for c in candidates if c.max_drafts > 0 and speculation_allowed(c.params)]
         ks = self._choose(eligible, base_tokens, base_emitted, num_waiting)
         asked = [(c, k) for c, k in zip(eligible, ks, strict=False) if k > 0]
+        self.deferred = {c.request_id for c, k in zip(eligible, ks, strict=False) if k == 0}
         if not asked:
             return {}
         start = time.perf_counter()

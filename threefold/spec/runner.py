@@ -127,16 +127,19 @@ class SpecRunner:
         needs_hidden = self.decoder.needs_hidden_states
         if needs_hidden:
             self._keep_hidden(batch, hidden, output, spec_tokens, computed_before)
-        candidates = []
+        candidates, taken = [], {}  # taken: rid -> (first position, hidden rows) handed over this step
         for state in batch.sampling_states:
             rid = state.request_id
             room = min((state.params.max_tokens or self.max_model_len) - state.num_output_tokens,
                        self.max_model_len - len(state.token_ids)) - 1
-            start, rows = self.pending_hidden.pop(rid, (0, [])) if needs_hidden else (0, [])
+            start, rows = taken[rid] = self.pending_hidden.pop(rid, (0, [])) if needs_hidden else (0, [])
             candidates.append(Candidate(rid, state.token_ids, state.params, room,
                                         torch.cat(rows) if rows else None, start, owed=room + 1))
         base_tokens = len(batch.input_ids) - sum(len(d) for d in spec_tokens.values())
         drafts = self.decoder.propose(candidates, base_tokens, len(candidates), num_waiting=num_waiting)
+        for rid in self.decoder.deferred:  # not drafting this step: the proposer sees these rows next time
+            if taken.get(rid, (0, []))[1]:
+                self.pending_hidden[rid] = taken[rid]
         for state in batch.sampling_states:
             self.trees.pop(state.request_id, None)
         self.trees.update((rid, d) for rid, d in drafts.items() if d.is_tree)
