@@ -84,12 +84,14 @@ class StepCostModel:
         return s0 + (s1 - s0) * (num_tokens - t0) / (t1 - t0)
 
     def step(self, base_tokens: int, draft_rows: int) -> float:
-        """Predicted seconds of a step computing base_tokens plus draft_rows verify rows (never less
-        than without the drafts: a noisy negative surcharge must not make drafts look free)."""
+        """Predicted seconds of a step computing base_tokens plus draft_rows verify rows. A negative
+        surcharge counts as 0: where the curve overestimates a step (a profile point no plain step
+        has corrected yet), drafts must not look cheaper than plain tokens, or they would be taken
+        everywhere and never correct it."""
         plain = self(base_tokens)
         if draft_rows <= 0:
             return plain
-        return max(plain, self(base_tokens + draft_rows) + self.draft_row_seconds * draft_rows)
+        return self(base_tokens + draft_rows) + max(self.draft_row_seconds, 0.0) * draft_rows
 
 
 @dataclass
