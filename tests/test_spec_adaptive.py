@@ -141,11 +141,13 @@ def test_measured_draft_rows_turn_speculation_off_under_load():
     assert sum(controller.choose(ids, 32, 32, owed=[64] * 32, num_waiting=4)) > 0  # the curve alone: drafting pays
     for _ in range(60):
         controller.observe_step(32, 0.100)  # plain steps match the curve
-        controller.observe_step(96, cost(96) + 64 * 0.003, num_draft_rows=64)  # 3 ms a draft row beyond the curve
+        for rows in (64, 8):  # a verify step: 5 ms + 3 ms a draft row beyond the curve
+            controller.observe_step(32 + rows, cost(32 + rows) + 0.005 + rows * 0.003, num_draft_rows=rows)
     assert cost.draft_row_seconds == pytest.approx(0.003, rel=0.01)
-    assert cost.step(32, 64) == pytest.approx(cost(96) + 64 * cost.draft_row_seconds)
+    assert cost.verify_seconds == pytest.approx(0.005, rel=0.01)
+    assert cost.step(32, 64) == pytest.approx(cost(96) + 0.005 + 64 * 0.003, rel=0.01)
     assert controller.choose(ids, 32, 32, owed=[64] * 32, num_waiting=4) == [0] * 32
-    # At batch 1 a 3 ms row beside a 17 ms step that emits one token: a short chain still pays.
+    # At batch 1, 5 ms + 3 ms a row beside a 17 ms step that emits one token: a short chain still pays.
     assert controller.choose(["solo"], 1, 1, owed=[64], num_waiting=0)[0] > 0
 
 
@@ -153,7 +155,7 @@ def test_a_negative_surcharge_never_makes_drafts_cheaper_than_none():
     cost = StepCostModel({1: 0.010, 64: 0.020})
     for _ in range(50):
         cost.observe(8, 0.001, num_draft_rows=4)  # noise: far faster than the curve
-    assert cost.draft_row_seconds < 0
+    assert cost.verify_seconds < 0
     assert cost.step(4, 4) == cost(8) > cost.step(4, 0) == cost(4)  # a draft row costs at least a plain token
     assert cost.tokens == [1, 64]  # steps with drafts do not move the curve
 
@@ -183,3 +185,19 @@ def test_probes_stop_where_a_certain_draft_cannot_pay():
         cheap.choose(["r"], 1, 1)
         cheap.observe("r", 4, 0)
     assert max(cheap.choose(["r"], 1, 1) for _ in range(4)) == [1]  # where drafts can pay, probes go on
+
+
+def test_a_fixed_verify_cost_stops_lone_drafts_under_load():
+    """Steps with one draft cost 6 ms more than the curve whatever their rows (a second LM-head call,
+    the sampler): at batch 32 a lone probe's 1/32 more tokens cannot pay that, at batch 1 a chain can."""
+    cost = StepCostModel({1: 0.017, 8: 0.020, 32: 0.100, 64: 0.104})
+    controller = AdaptiveController(cost, max_drafts=4, probe_interval=2)
+    for _ in range(40):
+        cost.observe(33, cost(33) + 0.006, num_draft_rows=1)
+    assert cost.verify_seconds == pytest.approx(0.006, rel=0.02) and cost.draft_row_seconds == 0.0
+    ids = [str(i) for i in range(32)]
+    for rid in ids:
+        for _ in range(30):
+            controller.observe(rid, 4, 0)  # acceptance near 0: k = 0, then (old rule) probes every 2 steps
+    assert sum(sum(controller.choose(ids, 32, 32, owed=[64] * 32)) for _ in range(6)) == 0
+    assert controller.choose(["solo"], 1, 1, owed=[64], num_waiting=0)[0] > 0

@@ -14,10 +14,11 @@ k falls to 0, which is why speculation never costs throughput (vLLM PR 26504:
 acceptance flat at 0.86-0.91 while speculation went from +23% to -16%).
 
 `StepCostModel` holds the measured step time per token count (profiled at
-startup, then updated online from steps without drafts) plus what a draft row
-costs beyond that, measured from the steps with drafts (their whole step time,
-verify and sampling included, against the curve); `AcceptanceTracker` holds
-each request's EMA.
+startup, then updated online from steps without drafts) plus what drafts cost
+beyond that, measured from the steps with drafts (their whole step time, verify
+and sampling included, against the curve) and fitted as a fixed part per step
+with drafts (a second LM-head call, the rejection sampler) plus a part per draft
+row; `AcceptanceTracker` holds each request's EMA.
 
 The batch's tail: a request's extra tokens are worth a freed slot only while
 another request waits for it. With nobody waiting, the run ends when the
@@ -53,16 +54,29 @@ class StepCostModel:
         self.tokens: list[int] = sorted(profile)
         self.seconds: list[float] = [float(profile[t]) for t in self.tokens]
         self._monotone = list(accumulate(self.seconds, max))
+        self.verify_seconds = 0.0
+        """What a step with drafts costs beyond a plain step of as many tokens, whatever its drafts."""
         self.draft_row_seconds = 0.0
-        """What a draft row costs beyond a plain token of the same step (EMA over steps with drafts):
-        its verify logits and rejection sampling, and whatever the curve misses at this batch."""
+        """And beyond that, per draft row. Both fitted by least squares over the steps with drafts,
+        older steps fading by (1 - ema_weight) a step: their verify logits and rejection sampling,
+        and whatever the curve misses at this batch."""
+        self._sums = [0.0] * 5  # faded sums of 1, rows, rows^2, excess, rows * excess
 
     def observe(self, num_tokens: int, seconds: float, num_draft_rows: int = 0) -> None:
         """Fold one measured step in. Without drafts: the curve (an EMA at a known count, a new point
-        otherwise). With drafts: the step time beyond the curve's, per draft row."""
+        otherwise). With drafts: the step time beyond the curve's, fitted as fixed + per row."""
         if num_draft_rows > 0:
-            surcharge = (seconds - self(num_tokens)) / num_draft_rows
-            self.draft_row_seconds += self.ema_weight * (surcharge - self.draft_row_seconds)
+            excess, rows = seconds - self(num_tokens), float(num_draft_rows)
+            keep = 1.0 - self.ema_weight
+            self._sums = [keep * a + b for a, b in zip(self._sums, (1.0, rows, rows * rows, excess, rows * excess),
+                                                         strict=True)]
+            n, sx, sxx, sy, sxy = self._sums
+            spread = n * sxx - sx * sx
+            if spread > 1e-9 * n * sxx:  # rows varied: both parts; else all of it fixed
+                self.draft_row_seconds = (n * sxy - sx * sy) / spread
+                self.verify_seconds = (sy - self.draft_row_seconds * sx) / n
+            else:
+                self.draft_row_seconds, self.verify_seconds = 0.0, sy / n
             return
         index = bisect.bisect_left(self.tokens, num_tokens)
         if index < len(self.tokens) and self.tokens[index] == num_tokens:
@@ -91,7 +105,8 @@ class StepCostModel:
         plain = self(base_tokens)
         if draft_rows <= 0:
             return plain
-        return self(base_tokens + draft_rows) + max(self.draft_row_seconds, 0.0) * draft_rows
+        return (self(base_tokens + draft_rows) + max(self.verify_seconds, 0.0)
+                + max(self.draft_row_seconds, 0.0) * draft_rows)
 
 
 @dataclass

@@ -70,6 +70,13 @@ class Candidate:
     hidden_start: int = 0
     owed: int | None = None
     """Tokens it may still emit (max_tokens less its output; the controller's batch tail). None: unknown."""
+    hidden_rows: list[Tensor] = field(default_factory=list)
+    """hidden_states in pieces (joined only if it drafts: a request at k = 0 keeps them for later)."""
+
+    def hidden(self) -> Tensor | None:
+        if self.hidden_states is None and self.hidden_rows:
+            self.hidden_states = torch.cat(self.hidden_rows)
+        return self.hidden_states
 
 
 def speculation_allowed(params: SamplingParams) -> bool:
@@ -127,7 +134,7 @@ class SpecDecoder:
         if not asked:
             return {}
         start = time.perf_counter()
-        drafts = self.proposer.propose([DraftRequest(c.request_id, c.token_ids, k, c.hidden_states, c.hidden_start)
+        drafts = self.proposer.propose([DraftRequest(c.request_id, c.token_ids, k, c.hidden(), c.hidden_start)
                                         for c, k in asked])
         if self.controller is not None:  # the proposer's own cost per drafted token, measured
             self.controller.observe_draft_cost(sum(k for _, k in asked), time.perf_counter() - start)

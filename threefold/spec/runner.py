@@ -133,8 +133,8 @@ class SpecRunner:
             room = min((state.params.max_tokens or self.max_model_len) - state.num_output_tokens,
                        self.max_model_len - len(state.token_ids)) - 1
             start, rows = taken[rid] = self.pending_hidden.pop(rid, (0, [])) if needs_hidden else (0, [])
-            candidates.append(Candidate(rid, state.token_ids, state.params, room,
-                                        torch.cat(rows) if rows else None, start, owed=room + 1))
+            candidates.append(Candidate(rid, state.token_ids, state.params, room, None, start, owed=room + 1,
+                                        hidden_rows=rows))
         base_tokens = len(batch.input_ids) - sum(len(d) for d in spec_tokens.values())
         drafts = self.decoder.propose(candidates, base_tokens, len(candidates), num_waiting=num_waiting)
         for rid in self.decoder.deferred:  # not drafting this step: the proposer sees these rows next time
