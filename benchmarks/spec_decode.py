@@ -7,6 +7,9 @@ For each workload (HumanEval prompts, greedy; ShareGPT *test*-split first turns,
 template, greedy) and each concurrency (1, 8, 32: a closed loop keeping that many
 requests in flight), every configuration runs over the same requests, interleaved
 (off, then each method, repeated --rounds times), in one process over one loaded model.
+Batch 1 runs the first 6 prompts; concurrency c runs c x --waves prompts, refilled as
+they finish, so the cell is a steady state (a finished request's slot goes to the next
+prompt) rather than one batch's makespan, which speculation can only lengthen.
 
     tok/s        output tokens / wall time of the whole run
     accept len   1 + accepted / drafts: tokens per verify step (vLLM's mean acceptance length)
@@ -95,13 +98,14 @@ TREES = {"eagle-tree": {"tree_top_k": 4, "tree_total_tokens": 12},
 """Tree variants (--methods eagle-tree,medusa-tree): verified in one forward with a tree mask."""
 
 
-def configs(methods: list[str], heads_dir: Path, k: int) -> dict[str, dict | None]:
+def configs(methods: list[str], heads_dir: Path, k: int, heads: dict[str, str] | None = None) -> dict[str, dict | None]:
+    """heads: method -> heads directory name under heads_dir (default smollm2-135m-<method>)."""
     out: dict[str, dict | None] = {"off": None}
     for name in methods:
         method = name.removesuffix("-tree")
         config = {"method": method, "num_speculative_tokens": k, **TREES.get(name, {})}
         if method in ("eagle", "medusa"):
-            config["model"] = str(heads_dir / f"smollm2-135m-{method}")
+            config["model"] = str(heads_dir / (heads or {}).get(method, f"smollm2-135m-{method}"))
             if not Path(config["model"]).is_dir():
                 print(f"skip {method}: no heads in {config['model']}")
                 continue
@@ -113,10 +117,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", default="ngram,eagle,medusa")
     parser.add_argument("--heads-dir", type=Path, default=Path.home() / ".cache/threefold/heads")
+    parser.add_argument("--eagle-heads", default="smollm2-135m-eagle", help="EAGLE head directory under --heads-dir")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--workloads", default="humaneval,sharegpt")
-    parser.add_argument("--num-prompts", type=int, default=32, help="per workload (batch 1 takes the first 6)")
+    parser.add_argument("--num-prompts", type=int, default=128, help="per workload (batch 1 takes the first 6)")
+    parser.add_argument("--waves", type=int, default=4,
+                        help="concurrency c > 1 runs c x waves prompts (at most --num-prompts), c in flight")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--dtype", default="auto")
@@ -128,15 +135,20 @@ def main() -> None:
     workloads = {name: loaders[name]() for name in args.workloads.split(",")}
     engines = {name: LLMEngine(loaded, EngineArgs(dtype=args.dtype, kv_cache_memory=1 << 30, max_model_len=2048,
                                                   enable_prefix_caching=False, speculative_config=config))
-               for name, config in configs(args.methods.split(","), args.heads_dir, args.k).items()}
+               for name, config in configs(args.methods.split(","), args.heads_dir, args.k,
+                                                      {"eagle": args.eagle_heads}).items()}
+    warmup = next(iter(workloads.values()))[:4]
+    for engine in engines.values():  # first-call costs (weight packing, page faults) land outside every cell
+        run(engine, warmup, len(warmup), 8)
     results = []
     for workload, prompts in workloads.items():
         for concurrency in map(int, args.concurrency.split(",")):
-            subset = prompts[:6] if concurrency == 1 else prompts[: max(concurrency, 16)]
+            subset = prompts[:6] if concurrency == 1 else prompts[: concurrency * args.waves]
             for round_index in range(args.rounds):
                 for name, engine in engines.items():
                     result = run(engine, subset, concurrency, args.max_tokens)
-                    result.update(workload=workload, concurrency=concurrency, config=name, round=round_index)
+                    result.update(workload=workload, concurrency=concurrency, config=name, round=round_index,
+                                  num_prompts=len(subset))
                     results.append(result)
                     print(json.dumps(result), flush=True)
     summary = summarize(results)

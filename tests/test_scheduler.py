@@ -121,6 +121,7 @@ def test_max_num_seqs_caps_running():
     out = run_step(s)
     assert list(out.num_scheduled_tokens) == ["r0", "r1"]
     assert [r.request_id for r in s.waiting] == ["r2"]
+    assert out.num_waiting == 1  # the speculation controller's refill signal
 
 
 def test_prefix_hit_skips_computed_tokens_and_counts_stats():

@@ -13,6 +13,7 @@ from threefold.spec.adaptive import (
     StepCostModel,
     choose_num_drafts,
     expected_tokens,
+    tail_weights,
 )
 
 
@@ -101,6 +102,8 @@ def test_low_acceptance_drives_k_to_zero_with_rare_probes():
 def test_measured_draft_cost_can_turn_speculation_off():
     controller = AdaptiveController(StepCostModel({1: 0.01, 64: 0.011}), max_drafts=4)
     assert controller.choose(["r"], 1, 1) == [4]
+    controller.observe_draft_cost(4, 0.04)  # one call is enough evidence to stop (no EMA from zero)
+    assert controller.choose(["r"], 1, 1) == [0]
     for _ in range(100):  # a proposer costing a whole step per drafted token never pays at a = 0.5
         controller.observe_draft_cost(4, 0.04)
     assert controller.draft_seconds_per_token == pytest.approx(0.01, rel=1e-3)
@@ -127,3 +130,74 @@ def test_config_counts_tree_nodes_by_depth():
     eagle = SpeculativeConfig("eagle", 3, model="x", tree_top_k=2, tree_total_tokens=5)
     assert eagle.tree_tokens_by_depth() == [0, 2, 5, 5]
     assert SpeculativeConfig("ngram", 3).tree_tokens_by_depth() is None
+
+
+def test_measured_draft_rows_turn_speculation_off_under_load():
+    """The profile says rows are nearly free at batch 32, but the measured steps with drafts cost
+    more than the curve (verify logits, sampling): that surcharge must reach the choice."""
+    cost = StepCostModel({1: 0.017, 8: 0.020, 32: 0.100, 64: 0.104, 160: 0.115})
+    controller = AdaptiveController(cost, max_drafts=4)
+    ids = [str(i) for i in range(32)]
+    assert sum(controller.choose(ids, 32, 32, owed=[64] * 32, num_waiting=4)) > 0  # the curve alone: drafting pays
+    for _ in range(60):
+        controller.observe_step(32, 0.100)  # plain steps match the curve
+        for rows in (64, 8):  # a verify step: 5 ms + 3 ms a draft row beyond the curve
+            controller.observe_step(32 + rows, cost(32 + rows) + 0.005 + rows * 0.003, num_draft_rows=rows)
+    assert cost.draft_row_seconds == pytest.approx(0.003, rel=0.01)
+    assert cost.verify_seconds == pytest.approx(0.005, rel=0.01)
+    assert cost.step(32, 64) == pytest.approx(cost(96) + 0.005 + 64 * 0.003, rel=0.01)
+    assert controller.choose(ids, 32, 32, owed=[64] * 32, num_waiting=4) == [0] * 32
+    # At batch 1, 5 ms + 3 ms a row beside a 17 ms step that emits one token: a short chain still pays.
+    assert controller.choose(["solo"], 1, 1, owed=[64], num_waiting=0)[0] > 0
+
+
+def test_a_negative_surcharge_never_makes_drafts_cheaper_than_none():
+    cost = StepCostModel({1: 0.010, 64: 0.020})
+    for _ in range(50):
+        cost.observe(8, 0.001, num_draft_rows=4)  # noise: far faster than the curve
+    assert cost.verify_seconds < 0
+    assert cost.step(4, 4) == cost(8) > cost.step(4, 0) == cost(4)  # a draft row costs at least a plain token
+    assert cost.tokens == [1, 64]  # steps with drafts do not move the curve
+
+
+def test_with_nobody_waiting_only_the_batch_tail_drafts():
+    """Nothing waits for a slot: a request done long before the longest one gains nothing by drafting."""
+    flat = StepCostModel({1: 0.010, 256: 0.0101})
+    controller = AdaptiveController(flat, max_drafts=4)
+    ids, owed = ["a", "b", "c"], [60, 10, 3]
+    assert controller.choose(ids, 3, 3, owed=owed, num_waiting=2) == [4, 4, 4]  # a refilled slot: every token pays
+    assert controller.choose(ids, 3, 3, owed=owed, num_waiting=0) == [4, 0, 0]
+    assert choose_num_drafts([0.5] * 3, [4] * 3, flat, 3, 3, weights=[1.0, 0.0, 0.0]) == [4, 0, 0]
+    # Horizon: the longest request at its best speculation (0.5, k=4: 1.9375 tokens a step) needs 31 steps.
+    assert tail_weights([60, 40, 30], [0.5] * 3, [4] * 3) == [1.0, 1.0, 0.0]
+    assert tail_weights([60], [0.0], [4]) == [0.0]  # a request that cannot speed up gains nothing either
+
+
+def test_probes_stop_where_a_certain_draft_cannot_pay():
+    """Each token costs the same (a big batch): even an always-accepted draft adds less than its row costs."""
+    linear = StepCostModel({1: 0.001, 1024: 1.024})
+    controller = AdaptiveController(linear, max_drafts=4, probe_interval=4)
+    ids = [str(i) for i in range(32)]
+    drafted = sum(sum(controller.choose(ids, 32, 32, owed=[64] * 32, num_waiting=1)) for _ in range(40))
+    assert drafted == 0
+    cheap = AdaptiveController(StepCostModel({1: 0.01, 64: 0.011}), max_drafts=4, probe_interval=4)
+    for _ in range(40):
+        cheap.choose(["r"], 1, 1)
+        cheap.observe("r", 4, 0)
+    assert max(cheap.choose(["r"], 1, 1) for _ in range(4)) == [1]  # where drafts can pay, probes go on
+
+
+def test_a_fixed_verify_cost_stops_lone_drafts_under_load():
+    """Steps with one draft cost 6 ms more than the curve whatever their rows (a second LM-head call,
+    the sampler): at batch 32 a lone probe's 1/32 more tokens cannot pay that, at batch 1 a chain can."""
+    cost = StepCostModel({1: 0.017, 8: 0.020, 32: 0.100, 64: 0.104})
+    controller = AdaptiveController(cost, max_drafts=4, probe_interval=2)
+    for _ in range(40):
+        cost.observe(33, cost(33) + 0.006, num_draft_rows=1)
+    assert cost.verify_seconds == pytest.approx(0.006, rel=0.02) and cost.draft_row_seconds == 0.0
+    ids = [str(i) for i in range(32)]
+    for rid in ids:
+        for _ in range(30):
+            controller.observe(rid, 4, 0)  # acceptance near 0: k = 0, then (old rule) probes every 2 steps
+    assert sum(sum(controller.choose(ids, 32, 32, owed=[64] * 32)) for _ in range(6)) == 0
+    assert controller.choose(["solo"], 1, 1, owed=[64], num_waiting=0)[0] > 0

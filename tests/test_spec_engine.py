@@ -4,9 +4,14 @@ accepted counts, and a request's opt-out."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+import numpy as np
 import pytest
 
 from threefold.sample.params import SamplingParams
+from threefold.spec.ngram import ngram_lookup
+from threefold.spec.proposer import Draft, DraftRequest, Proposer
 
 from prompts import PROMPTS
 
@@ -172,3 +177,63 @@ def test_llm_takes_speculative_config_and_refuses_a_bad_one():
               speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}')
     out = llm.generate([REPEATING[0]], SamplingParams(temperature=0.0, max_tokens=12))[0]
     assert out.num_accepted_tokens > 0
+
+
+
+class HiddenRecordingNgram(Proposer):
+    """An n-gram proposer that asks for the target's hidden states, as Medusa and EAGLE do, and keeps
+    every DraftRequest it sees (accepted n-gram drafts put verify rows among the features it is fed).
+    With `wrong`, every draft is a token the target never picks, so adaptive k falls to 0 with probes."""
+
+    needs_hidden_states = True
+    calls: ClassVar[list] = []
+    wrong: ClassVar[bool] = False
+
+    @classmethod
+    def from_config(cls, config, target=None) -> HiddenRecordingNgram:
+        return cls()
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        for r in requests:
+            self.calls.append((r.request_id, list(r.token_ids), r.hidden_start,
+                               None if r.hidden_states is None else r.hidden_states.clone()))
+        if self.wrong:
+            return [Draft([49151] * r.num_drafts) for r in requests]
+        return [Draft(ngram_lookup(np.asarray(r.token_ids), 1, 3, r.num_drafts).tolist()) for r in requests]
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_head_proposers_get_the_target_features_of_each_real_position(make_llm, smollm2_fp32, monkeypatch, wrong):
+    """What Medusa/EAGLE heads are trained on (spec/train.py): f_t = the target's final (normed) hidden
+    state at position t, the LM head's input, whose argmax predicted x_{t+1}. The engine must hand the
+    proposer exactly those rows, every position once and in order (EAGLE attends over all of them, as in
+    training; also across steps where adaptive k was 0), up to the token just sampled (its last row
+    predicted token_ids[-1]), accepted drafts' rows in and rejected ones out, across chunked prefill.
+    Checked against one plain forward over the whole sequence."""
+    import torch
+
+    from threefold.spec import proposer
+    from threefold.spec.train import causal_attention
+
+    monkeypatch.setitem(proposer.PROPOSERS, "ngram", "test_spec_engine:HiddenRecordingNgram")
+    monkeypatch.setattr(HiddenRecordingNgram, "calls", [])
+    monkeypatch.setattr(HiddenRecordingNgram, "wrong", wrong)
+    config = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": wrong}
+    llm = make_llm(speculative_config=config, max_num_batched_tokens=16, enable_prefix_caching=False)
+    llm.generate(REPEATING, GREEDY.clone(max_tokens=48 if wrong else 24))
+    stats = llm.engine.get_stats()
+    assert (stats.spec_num_accepted_tokens == 0) if wrong else (stats.spec_num_accepted_tokens > 0)
+    fed = [c for c in HiddenRecordingNgram.calls if c[3] is not None]
+    rows: dict[str, list] = {}
+    last_tokens: dict[str, list[int]] = {}
+    for rid, tokens, start, hidden in fed:
+        assert start == sum(len(r) for r in rows.get(rid, [])), "a gap or an overlap in the rows the proposer got"
+        assert start + len(hidden) == len(tokens) - 1
+        rows.setdefault(rid, []).append(hidden)
+        last_tokens[rid] = tokens
+    # Rows from steps where accepted drafts were kept (n-gram) or where nothing was drafted (probes).
+    assert any(len(c[3]) > 1 and c[2] > 20 for c in fed)
+    for rid, tokens in last_tokens.items():
+        with torch.inference_mode():
+            features = smollm2_fp32.model(torch.tensor(tokens[:-1]), torch.arange(len(tokens) - 1), causal_attention)
+        torch.testing.assert_close(torch.cat(rows[rid]), features, atol=2e-3, rtol=2e-3)

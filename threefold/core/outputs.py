@@ -54,6 +54,9 @@ class SchedulerOutput:
     blocks_to_store: list[tuple[int, bytes]] = field(default_factory=list)
     """(block_id, block_hash) published this step: the runner offloads them after the forward wrote
     them (write-through; a block cached this step is held by its request, so it cannot be reused first)."""
+    num_waiting: int = 0
+    """Requests left waiting for a slot after this step's scheduling (speculation's controller: a
+    request that finishes sooner frees its slot for one of them; with none, only the batch's tail drafts)."""
 
     @property
     def is_empty(self) -> bool:

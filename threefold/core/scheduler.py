@@ -230,7 +230,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_tokens.values()),
             scheduled_spec_token_ids=plan.spec, finished_req_ids=finished,
             preempted_req_ids=plan.preempted, blocks_to_load=plan.load, blocks_to_store=to_store,
-            blocks_to_swap_out=plan.swap_out, trimmed_blocks=trimmed)
+            blocks_to_swap_out=plan.swap_out, trimmed_blocks=trimmed, num_waiting=len(self.waiting))
 
     def _schedule_hybrid(self, plan: _StepPlan) -> None:
         """Online first (running, then waiting) in the budget less offline's floor; offline fills the rest."""

@@ -14,7 +14,17 @@ k falls to 0, which is why speculation never costs throughput (vLLM PR 26504:
 acceptance flat at 0.86-0.91 while speculation went from +23% to -16%).
 
 `StepCostModel` holds the measured step time per token count (profiled at
-startup, then updated online); `AcceptanceTracker` holds each request's EMA.
+startup, then updated online from steps without drafts) plus what drafts cost
+beyond that, measured from the steps with drafts (their whole step time, verify
+and sampling included, against the curve) and fitted as a fixed part per step
+with drafts (a second LM-head call, the rejection sampler) plus a part per draft
+row; `AcceptanceTracker` holds each request's EMA.
+
+The batch's tail: a request's extra tokens are worth a freed slot only while
+another request waits for it. With nobody waiting, the run ends when the
+request that owes the most tokens is done, so drafts of a request that will be
+done before that anyway (even if every request drafted its most) buy nothing,
+and it does not draft (`tail_weights`).
 """
 
 from __future__ import annotations
@@ -44,9 +54,30 @@ class StepCostModel:
         self.tokens: list[int] = sorted(profile)
         self.seconds: list[float] = [float(profile[t]) for t in self.tokens]
         self._monotone = list(accumulate(self.seconds, max))
+        self.verify_seconds = 0.0
+        """What a step with drafts costs beyond a plain step of as many tokens, whatever its drafts."""
+        self.draft_row_seconds = 0.0
+        """And beyond that, per draft row. Both fitted by least squares over the steps with drafts,
+        older steps fading by (1 - ema_weight) a step: their verify logits and rejection sampling,
+        and whatever the curve misses at this batch."""
+        self._sums = [0.0] * 5  # faded sums of 1, rows, rows^2, excess, rows * excess
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """Fold one measured step in: an EMA at a known count, a new point otherwise."""
+    def observe(self, num_tokens: int, seconds: float, num_draft_rows: int = 0) -> None:
+        """Fold one measured step in. Without drafts: the curve (an EMA at a known count, a new point
+        otherwise). With drafts: the step time beyond the curve's, fitted as fixed + per row."""
+        if num_draft_rows > 0:
+            excess, rows = seconds - self(num_tokens), float(num_draft_rows)
+            keep = 1.0 - self.ema_weight
+            self._sums = [keep * a + b for a, b in zip(self._sums, (1.0, rows, rows * rows, excess, rows * excess),
+                                                         strict=True)]
+            n, sx, sxx, sy, sxy = self._sums
+            spread = n * sxx - sx * sx
+            if spread > 1e-9 * n * sxx:  # rows varied: both parts; else all of it fixed
+                self.draft_row_seconds = (n * sxy - sx * sy) / spread
+                self.verify_seconds = (sy - self.draft_row_seconds * sx) / n
+            else:
+                self.draft_row_seconds, self.verify_seconds = 0.0, sy / n
+            return
         index = bisect.bisect_left(self.tokens, num_tokens)
         if index < len(self.tokens) and self.tokens[index] == num_tokens:
             self.seconds[index] += self.ema_weight * (seconds - self.seconds[index])
@@ -65,6 +96,17 @@ class StepCostModel:
         index = min(bisect.bisect_left(tokens, num_tokens), len(tokens) - 1)
         t0, t1, s0, s1 = tokens[index - 1], tokens[index], seconds[index - 1], seconds[index]
         return s0 + (s1 - s0) * (num_tokens - t0) / (t1 - t0)
+
+    def step(self, base_tokens: int, draft_rows: int) -> float:
+        """Predicted seconds of a step computing base_tokens plus draft_rows verify rows. A negative
+        surcharge counts as 0: where the curve overestimates a step (a profile point no plain step
+        has corrected yet), drafts must not look cheaper than plain tokens, or they would be taken
+        everywhere and never correct it."""
+        plain = self(base_tokens)
+        if draft_rows <= 0:
+            return plain
+        return (self(base_tokens + draft_rows) + max(self.verify_seconds, 0.0)
+                + max(self.draft_row_seconds, 0.0) * draft_rows)
 
 
 @dataclass
@@ -113,9 +155,20 @@ def expected_tokens(rate: float, k: int) -> float:
     return float(k + 1) if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
 
 
+def tail_weights(owed: Sequence[int], rates: Sequence[float], max_drafts: Sequence[int]) -> list[float]:
+    """Per request, 1 if its drafts can shorten the run when no request waits for a slot, else 0.
+
+    owed: tokens each request may still emit (max_tokens less its output). The run lasts
+    at least H = max_j owed_j / E_j(k_j max) steps (the longest request at its best
+    speculation); a request owing at most H tokens is done by then drafting nothing."""
+    horizon = max((o / expected_tokens(r, m) for o, r, m in zip(owed, rates, max_drafts, strict=True)), default=0.0)
+    return [1.0 if o > horizon else 0.0 for o in owed]
+
+
 def choose_num_drafts(rates: list[float], max_drafts: list[int], cost: StepCostModel,
                       base_tokens: int, base_emitted: int, draft_seconds_per_token: float = 0.0,
-                      tokens_for_depth: Sequence[int] | None = None) -> list[int]:
+                      tokens_for_depth: Sequence[int] | None = None,
+                      weights: Sequence[float] | None = None) -> list[int]:
     """k per speculating request maximising goodput for this step.
 
     rates/max_drafts: one entry per speculating request (max 0 = may not draft);
@@ -124,15 +177,19 @@ def choose_num_drafts(rates: list[float], max_drafts: list[int], cost: StepCostM
     tokens_for_depth: candidate trees, where k is the depth: [d] = the verify rows a
     depth-d tree adds (its nodes), so a deeper level costs every node it brings
     (None: chains, d). The gain of a level stays a^d, a being the tree's
-    per-level acceptance rate.
+    per-level acceptance rate. weights: what a request's extra token is worth
+    (tail_weights; None: 1 each). The step time is cost.step: the curve plus the
+    measured surcharge of each draft row.
     """
-    # For a fixed number m of extra drafts the best choice is the m largest gains a_i^j (each
+    # For a fixed number m of extra drafts the best choice is the m largest gains w_i a_i^j (each
     # request's gains fall with j, so the top m are prefixes); the best m is found by one scan.
-    heap = [(-rate, i) for i, (rate, most) in enumerate(zip(rates, max_drafts, strict=False)) if most > 0 and rate > 0]
+    weights = [1.0] * len(rates) if weights is None else weights
+    heap = [(-rate * weight, i) for i, (rate, most, weight) in enumerate(zip(rates, max_drafts, weights, strict=False))
+            if most > 0 and rate * weight > 0]
     heapq.heapify(heap)
     taken: list[int] = []  # request index of each increment, best first
     counts = [0] * len(rates)
-    emitted, best, best_m = float(base_emitted), base_emitted / cost(base_tokens), 0
+    emitted, best, best_m = float(base_emitted), base_emitted / cost.step(base_tokens, 0), 0
     extra = 0  # verify rows the drafts taken so far add
     while heap:
         neg_gain, i = heapq.heappop(heap)
@@ -141,7 +198,7 @@ def choose_num_drafts(rates: list[float], max_drafts: list[int], cost: StepCostM
         extra += 1 if tokens_for_depth is None else tokens_for_depth[counts[i]] - tokens_for_depth[counts[i] - 1]
         emitted -= neg_gain
         m = len(taken)
-        goodput = emitted / (cost(base_tokens + extra) + draft_seconds_per_token * m)
+        goodput = emitted / (cost.step(base_tokens, extra) + draft_seconds_per_token * m)
         if goodput > best:
             best, best_m = goodput, m
         if counts[i] < max_drafts[i]:
@@ -170,15 +227,25 @@ class AdaptiveController:
         self.acceptance = AcceptanceTracker(ema_weight)
         self.probe_interval = probe_interval
         self.draft_seconds_per_token = draft_seconds_per_token
+        self._draft_cost_measured = False
         self.idle_steps: dict[str, int] = {}
 
-    def choose(self, request_ids: list[str], base_tokens: int, base_emitted: int) -> list[int]:
+    def choose(self, request_ids: list[str], base_tokens: int, base_emitted: int,
+               owed: Sequence[int] | None = None, num_waiting: int = 1) -> list[int]:
+        """owed: tokens each request may still emit; num_waiting: requests waiting for a slot (with
+        none, only the batch's tail drafts: tail_weights). A probe is skipped where even a
+        certain draft would not pay this step (or, with nobody waiting, the request is not in the tail)."""
         rates = [self.acceptance.rate(rid) for rid in request_ids]
-        chosen = choose_num_drafts(rates, [self.max_drafts] * len(rates), self.cost, base_tokens, base_emitted,
-                                   self.draft_seconds_per_token, self.tokens_for_depth)
+        max_drafts = [self.max_drafts] * len(rates)
+        weights = None if owed is None or num_waiting > 0 else tail_weights(owed, rates, max_drafts)
+        chosen = choose_num_drafts(rates, max_drafts, self.cost, base_tokens, base_emitted,
+                                   self.draft_seconds_per_token, self.tokens_for_depth, weights)
+        first_rows = 1 if self.tokens_for_depth is None else self.tokens_for_depth[1]
+        probe_pays = ((base_emitted + 1) / (self.cost.step(base_tokens, first_rows) + self.draft_seconds_per_token)
+                      > base_emitted / self.cost.step(base_tokens, 0))
         for index, rid in enumerate(request_ids):
             idle = self.idle_steps.get(rid, 0) + 1 if chosen[index] == 0 else 0
-            if idle >= self.probe_interval:
+            if idle >= self.probe_interval and probe_pays and (weights is None or weights[index] > 0):
                 chosen[index], idle = 1, 0
             self.idle_steps[rid] = idle
         return chosen
@@ -186,13 +253,17 @@ class AdaptiveController:
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.observe(request_id, num_drafted, num_accepted)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        self.cost.observe(num_tokens, seconds)
+    def observe_step(self, num_tokens: int, seconds: float, num_draft_rows: int = 0) -> None:
+        self.cost.observe(num_tokens, seconds, num_draft_rows)
 
     def observe_draft_cost(self, num_drafted: int, seconds: float, ema_weight: float = 0.1) -> None:
-        """Fold a measured proposer call into the seconds each drafted token costs."""
-        if num_drafted > 0:
-            self.draft_seconds_per_token += ema_weight * (seconds / num_drafted - self.draft_seconds_per_token)
+        """Fold a measured proposer call into the seconds each drafted token costs (the first call sets
+        it: an EMA from 0 would let an expensive proposer look cheap for its first few dozen calls)."""
+        if num_drafted <= 0:
+            return
+        weight = ema_weight if self._draft_cost_measured else 1.0
+        self.draft_seconds_per_token += weight * (seconds / num_drafted - self.draft_seconds_per_token)
+        self._draft_cost_measured = True
 
     def remove(self, request_id: str) -> None:
         self.acceptance.remove(request_id)

@@ -68,6 +68,15 @@ class Candidate:
     """Room left: never draft past max_tokens or the context (the scheduler may cut more)."""
     hidden_states: Tensor | None = None
     hidden_start: int = 0
+    owed: int | None = None
+    """Tokens it may still emit (max_tokens less its output; the controller's batch tail). None: unknown."""
+    hidden_rows: list[Tensor] = field(default_factory=list)
+    """hidden_states in pieces (joined only if it drafts: a request at k = 0 keeps them for later)."""
+
+    def hidden(self) -> Tensor | None:
+        if self.hidden_states is None and self.hidden_rows:
+            self.hidden_states = torch.cat(self.hidden_rows)
+        return self.hidden_states
 
 
 def speculation_allowed(params: SamplingParams) -> bool:
@@ -101,36 +110,44 @@ class SpecDecoder:
             tokens_for_depth=config.tree_tokens_by_depth())
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
         self.accepted_per_request: dict[str, int] = {}
+        self.deferred: set[str] = set()
+        """The last propose()'s candidates that may draft but got k = 0: the proposer did not see their
+        hidden rows, so the caller keeps those for their next call (EAGLE's context has no gaps)."""
 
     @property
     def needs_hidden_states(self) -> bool:
         return self.proposer.needs_hidden_states
 
     def propose(self, candidates: list[Candidate], base_tokens: int, base_emitted: int,
-                num_running: int | None = None) -> dict[str, Draft]:
+                num_running: int | None = None, num_waiting: int = 1) -> dict[str, Draft]:
         """Drafts for the next step (chains of at most k tokens, or trees at most k deep); requests
-        left out (k = 0) decode plainly."""
+        left out (k = 0) decode plainly. num_waiting: requests waiting for a slot (0: only the
+        batch's tail drafts, see adaptive.tail_weights)."""
+        self.deferred = set()
         limit = self.config.disable_by_batch_size
         if limit is not None and (num_running or len(candidates)) >= limit:
             return {}
         eligible = [c for c in candidates if c.max_drafts > 0 and speculation_allowed(c.params)]
-        ks = self._choose(eligible, base_tokens, base_emitted)
+        ks = self._choose(eligible, base_tokens, base_emitted, num_waiting)
         asked = [(c, k) for c, k in zip(eligible, ks, strict=False) if k > 0]
+        self.deferred = {c.request_id for c, k in zip(eligible, ks, strict=False) if k == 0}
         if not asked:
             return {}
         start = time.perf_counter()
-        drafts = self.proposer.propose([DraftRequest(c.request_id, c.token_ids, k, c.hidden_states, c.hidden_start)
+        drafts = self.proposer.propose([DraftRequest(c.request_id, c.token_ids, k, c.hidden(), c.hidden_start)
                                         for c, k in asked])
         if self.controller is not None:  # the proposer's own cost per drafted token, measured
             self.controller.observe_draft_cost(sum(k for _, k in asked), time.perf_counter() - start)
         return {c.request_id: d if d.is_tree else Draft(d.token_ids[:k])
                 for (c, k), d in zip(asked, drafts, strict=False) if d.token_ids}
 
-    def _choose(self, eligible: list[Candidate], base_tokens: int, base_emitted: int) -> list[int]:
+    def _choose(self, eligible: list[Candidate], base_tokens: int, base_emitted: int, num_waiting: int) -> list[int]:
         k_max = self.config.num_speculative_tokens
         if self.controller is None:
             return [min(k_max, c.max_drafts) for c in eligible]
-        chosen = self.controller.choose([c.request_id for c in eligible], base_tokens, base_emitted)
+        owed = [c.owed for c in eligible]
+        chosen = self.controller.choose([c.request_id for c in eligible], base_tokens, base_emitted,
+                                        None if None in owed else owed, num_waiting)  # type: ignore[arg-type]
         return [min(k, c.max_drafts) for k, c in zip(chosen, eligible, strict=False)]
 
     def verify(self, request_ids: list[str], logits: Tensor, drafts: list[list[int]], params: list[SamplingParams],
@@ -155,9 +172,9 @@ class SpecDecoder:
                 self.controller.observe(rid, max(node_depths(draft.parent_ids or [])), accepted)
         return result
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
+    def observe_step(self, num_tokens: int, seconds: float, num_draft_rows: int = 0) -> None:
         if self.controller is not None:
-            self.controller.observe_step(num_tokens, seconds)
+            self.controller.observe_step(num_tokens, seconds, num_draft_rows)
 
     def remove(self, request_id: str) -> None:
         self.proposer.remove(request_id)

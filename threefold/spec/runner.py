@@ -120,22 +120,26 @@ class SpecRunner:
 
     # ---- propose -------------------------------------------------------------
     def propose(self, batch, hidden: Tensor, output: ModelRunnerOutput, spec_tokens: dict[str, list[int]],
-                computed_before: dict[str, int]) -> dict[str, list[int]]:
+                computed_before: dict[str, int], num_waiting: int = 1) -> dict[str, list[int]]:
         """Drafts for every request that got tokens this step. computed_before: each request's
-        num_computed_tokens at the start of the step (its first row's position)."""
+        num_computed_tokens at the start of the step (its first row's position); num_waiting:
+        requests the scheduler left waiting for a slot."""
         needs_hidden = self.decoder.needs_hidden_states
         if needs_hidden:
             self._keep_hidden(batch, hidden, output, spec_tokens, computed_before)
-        candidates = []
+        candidates, taken = [], {}  # taken: rid -> (first position, hidden rows) handed over this step
         for state in batch.sampling_states:
             rid = state.request_id
             room = min((state.params.max_tokens or self.max_model_len) - state.num_output_tokens,
                        self.max_model_len - len(state.token_ids)) - 1
-            start, rows = self.pending_hidden.pop(rid, (0, [])) if needs_hidden else (0, [])
-            candidates.append(Candidate(rid, state.token_ids, state.params, room,
-                                        torch.cat(rows) if rows else None, start))
+            start, rows = taken[rid] = self.pending_hidden.pop(rid, (0, [])) if needs_hidden else (0, [])
+            candidates.append(Candidate(rid, state.token_ids, state.params, room, None, start, owed=room + 1,
+                                        hidden_rows=rows))
         base_tokens = len(batch.input_ids) - sum(len(d) for d in spec_tokens.values())
-        drafts = self.decoder.propose(candidates, base_tokens, len(candidates))
+        drafts = self.decoder.propose(candidates, base_tokens, len(candidates), num_waiting=num_waiting)
+        for rid in self.decoder.deferred:  # not drafting this step: the proposer sees these rows next time
+            if taken.get(rid, (0, []))[1]:
+                self.pending_hidden[rid] = taken[rid]
         for state in batch.sampling_states:
             self.trees.pop(state.request_id, None)
         self.trees.update((rid, d) for rid, d in drafts.items() if d.is_tree)
@@ -163,8 +167,8 @@ class SpecRunner:
         self.trees.pop(request_id, None)
         self.decoder.remove(request_id)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        self.decoder.observe_step(num_tokens, seconds)
+    def observe_step(self, num_tokens: int, seconds: float, num_draft_rows: int = 0) -> None:
+        self.decoder.observe_step(num_tokens, seconds, num_draft_rows)
 
 
 def _logprobs(logits: Tensor, emitted: list[int], num_top: int) -> list[TokenLogprobs]:

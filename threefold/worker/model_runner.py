@@ -128,8 +128,10 @@ class ModelRunner:
             for rid, path in self.spec.paths.items():  # the accepted path's K/V stay, in sequence order
                 state = self.requests.states[rid]
                 keep_path(self.kv_cache, self.requests.block_table, state.row, state.num_computed_tokens, path)
-            self.spec.observe_step(len(batch.input_ids), time.perf_counter() - start)
-            output.draft_token_ids = self.spec.propose(batch, hidden, output, spec_tokens, computed_before)
+            self.spec.observe_step(len(batch.input_ids), time.perf_counter() - start,
+                                   sum(len(d) for d in spec_tokens.values()))
+            output.draft_token_ids = self.spec.propose(batch, hidden, output, spec_tokens, computed_before,
+                                                       sched.num_waiting)
         output.prompt_logprobs = prompt_logprobs
         for state in batch.order:
             state.num_computed_tokens += sched.num_scheduled_tokens[state.request_id]
