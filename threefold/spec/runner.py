@@ -157,7 +157,9 @@ class SpecRunner:
             known = start + num - num_drafts  # the rows after the known tokens' are the drafts'
             path = self.paths.get(rid)
             if path is None:  # a chain: its accepted drafts' rows follow the known tokens'
-                rows.append(hidden[start : known + output.num_accepted_tokens.get(rid, 0)])
+                # A copy, not a view: a request at k = 0 keeps its rows for steps (deferred), and a view
+                # would keep each of those steps' whole hidden tensor alive with it.
+                rows.append(hidden[start : known + output.num_accepted_tokens.get(rid, 0)].clone())
             else:
                 rows.append(hidden[[*range(start, known), *(known + node for node in path)]])
             self.pending_hidden[rid] = (first, rows)
