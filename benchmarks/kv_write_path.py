@@ -7,7 +7,7 @@ CPU time (time.thread_time: what the block's work takes from the engine's cores,
   engine thread: the gather of a step's new blocks out of the pool into payload bytes (BlockCodec.encode),
                  the L2 insert (TieredKVStore.put over host memory);
   writer thread: framing (header, copy, CRC-32), and each lower tier's write, measured as the writer's
-                 own CPU over N puts and a flush: disk while it fills (a file created per block), disk
+                 own CPU over N puts and a flush: disk while it fills (its slabs growing), disk
                  when full (every write evicts a block), Redis (loopback, if `redis-server` is installed).
 """
 
@@ -92,7 +92,7 @@ def main() -> None:
         lambda: [buffer.pack(p, NS.digest, NS.format_version) for p in payloads]), ns.blocks, size)
     parent = tempfile.mkdtemp(dir=ns.disk_parent)
     try:
-        line("writer: frame + disk, filling (a new file per block)", writer_cpu(
+        line("writer: frame + disk, filling (slabs growing)", writer_cpu(
             OffloadConfig(disk_dir=os.path.join(parent, "a"), disk_bytes=1 << 40), payloads, ns.blocks),
             ns.blocks, size)
         line("writer: frame + disk, full (each write evicts one)", writer_cpu(

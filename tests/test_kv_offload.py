@@ -172,9 +172,10 @@ def test_restart_hits_disk_and_changed_codec_or_corruption_recomputes(make_llm, 
     other_codec = make_llm(kv_offload=OffloadConfig(disk_dir=str(tmp_path), codec="int8"), **POOL)
     assert tier_tokens(run_turns(other_codec, prompt, turns=1), "disk") == 0
     other_codec.close()
-    for path in Path(tmp_path).rglob("*.kv"):  # flip bytes in the dense blocks: all must be recomputed
-        data = bytearray(path.read_bytes())
-        data[len(data) // 2] ^= 0xFF
+    for path in Path(tmp_path).rglob("*.slab"):  # flip a byte mid-record in every slot: all must be recomputed
+        data, slot_bytes = bytearray(path.read_bytes()), int(path.name.split("-")[0])
+        for start in range(0, len(data), slot_bytes):
+            data[start + slot_bytes // 2] ^= 0xFF
         path.write_bytes(bytes(data))
     corrupt = make_llm(kv_offload=OffloadConfig(disk_dir=str(tmp_path)), **POOL)
     recomputed = run_turns(corrupt, prompt, turns=1)

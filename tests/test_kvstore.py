@@ -14,10 +14,9 @@ import pytest
 
 from threefold.errors import ThreefoldError
 from threefold.kvstore import FORMAT_VERSION, Namespace, OffloadConfig, TieredKVStore, add_offload_args
-from threefold.kvstore import disk as disk_module
 from threefold.kvstore.config import parse_bytes
 from threefold.kvstore.disk import DiskTier
-from threefold.kvstore.frame import OVERHEAD, FrameError, RecordBuffer, decode, encode
+from threefold.kvstore.frame import HEADROOM, OVERHEAD, FrameError, RecordBuffer, decode, encode
 from threefold.kvstore.memory import MemoryTier
 from threefold.kvstore.tier import Backoff, Tier
 
@@ -126,9 +125,9 @@ def test_the_record_buffer_frames_like_encode_in_an_aligned_buffer():
         record = buffer.pack(payload, NS.digest, FORMAT_VERSION)
         assert bytes(record) == encode(payload, NS.digest, FORMAT_VERSION)
         assert decode(bytes(record), NS.digest, FORMAT_VERSION) == payload
-        padded = buffer.padded(4096)
-        assert len(padded) % 4096 == 0 and len(record) <= len(padded) < len(record) + 4096
-        assert bytes(padded[:len(record)]) == bytes(record)
+        slot = buffer.with_header(b"HEAD", 4096)  # a tier's header in the room before the record
+        assert len(slot) % 4096 == 0 and HEADROOM + len(record) <= len(slot) < HEADROOM + len(record) + 4096
+        assert bytes(slot[:4]) == b"HEAD" and bytes(slot[HEADROOM:HEADROOM + len(record)]) == bytes(record)
 
 
 # ---- memory tier and the store over it --------------------------------------------
@@ -196,89 +195,118 @@ def test_bandwidth_starts_at_a_prior_and_follows_reads():
 # ---- disk tier -----------------------------------------------------------------------
 
 
+SLOT = 8192
+"""The disk slot of a 4096-byte payload: slot header room + record, rounded up to 4 KiB."""
+
+
+def read_record(tier: DiskTier, key: bytes) -> bytes:
+    path, offset, length = tier.location(key)
+    with open(path, "rb") as file:
+        file.seek(offset)
+        return file.read(length)
+
+
 def test_disk_round_trip_lru_and_restart(tmp_path):
-    record = 4096 + OVERHEAD
-    with make_store(disk_dir=str(tmp_path), disk_bytes=3 * record) as store:
+    with make_store(disk_dir=str(tmp_path), disk_bytes=3 * SLOT) as store:
         blocks = [block(i) for i in range(4)]
         for block_hash, payload in blocks[:3]:
             store.put(block_hash, payload)
             store.flush()
-            time.sleep(0.01)  # distinct mtimes: the restart index orders by them
         assert store.get(blocks[0][0]) == ("disk", blocks[0][1])  # 0 is now the most recent
         store.put(*blocks[3])
         assert store.flush(10)
         hashes = [h for h, _ in blocks]
         assert [store.lookup([h]) for h in hashes] == [["disk"], [], ["disk"], ["disk"]]  # 1 was evicted
-        files = sorted(p.name for p in tmp_path.rglob("*.kv"))
-        assert len(files) == 3 and not list(tmp_path.rglob(".tmp-*"))
+        (slab,) = tmp_path.rglob("*.slab")  # every block in one file, in fixed slots
+        assert slab.stat().st_size == 3 * SLOT and slab.name.startswith(f"{SLOT}-")
         assert store.check_integrity() == []
-        record_bytes = encode(blocks[3][1], NS.digest, NS.format_version)
-        assert store.tiers[0].path_of(NS.key(hashes[3])).read_bytes() == record_bytes  # writev: the whole record
+        disk = store.tiers[0]
+        assert read_record(disk, NS.key(hashes[3])) == encode(blocks[3][1], NS.digest, NS.format_version)
+        assert disk.location(NS.key(hashes[3]))[1] == SLOT + HEADROOM  # 3 went into 1's slot
         assert store.stats().writer_cpu_seconds > 0
-        assert store.tiers[0].direct  # ext4: written past the page cache (O_DIRECT), yet the same bytes
-    with make_store(disk_dir=str(tmp_path), disk_bytes=3 * record) as restarted:
+        assert disk.direct  # ext4: written past the page cache (O_DIRECT), yet the same bytes
+    with make_store(disk_dir=str(tmp_path), disk_bytes=3 * SLOT) as restarted:
         assert restarted.check_integrity() == []
+        assert restarted.tiers[0].keys() == [NS.key(h) for h in (hashes[2], hashes[0], hashes[3])]  # 0 was read
         assert restarted.get(hashes[3]) == ("disk", blocks[3][1])
-        assert restarted.tiers[0].keys() == [NS.key(h) for h in (hashes[2], hashes[0], hashes[3])]
     with TieredKVStore(OffloadConfig(disk_dir=str(tmp_path)), Namespace("weights-sha:NEW", "auto", 16)) as other:
         assert other.lookup(hashes) == [] and other.get(hashes[0]) is None  # new weights: no stale KV
 
 
-def test_a_full_disk_tier_writes_over_its_evicted_files_and_never_serves_one_read_while_reused(
-        tmp_path, monkeypatch):
-    record = 4096 + OVERHEAD
-    tier = DiskTier(tmp_path, 2 * record)
-    assert tier.direct  # ext4 (spares are kept only for direct writes)
+def test_a_full_disk_tier_reuses_slots_and_never_serves_one_read_while_reused(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, 2 * SLOT)
     blocks = [(NS.key(h), encode(p, NS.digest, FORMAT_VERSION)) for h, p in (block(i) for i in range(4))]
     tier.put(*blocks[0])
     tier.put(*blocks[1])
-    first_inode = tier.path_of(blocks[0][0]).stat().st_ino
-    tier.put(*blocks[2])  # evicts 0: its file is written over, not unlinked and created anew
-    assert tier.path_of(blocks[2][0]).stat().st_ino == first_inode
+    first = tier.location(blocks[0][0])
+    tier.put(*blocks[2])  # evicts 0: its slot is written over
+    assert tier.location(blocks[2][0]) == first and tier.location(blocks[0][0]) is None
     assert tier.get(blocks[2][0]) == blocks[2][1] and tier.get(blocks[0][0]) is None
-    # A read of 1 that opens its file just before a put evicts 1 and writes 3 over that same file:
-    # the reader then holds 3's valid record, and must not return it as 1's.
-    second_inode = tier.path_of(blocks[1][0]).stat().st_ino
-    real_open = open
+    # A read of 1 during which a put evicts 1 and writes 3 into that same slot: what the reader holds
+    # may be 3's valid record, or a mix, and must not be returned as 1's.
+    second = tier.location(blocks[1][0])
+    real_read = tier._read
 
-    def open_then_evict(path, *args):
-        file = real_open(path, *args)
-        if path == tier.path_of(blocks[1][0]):
+    def read_then_evict(slab, slot, length):
+        data = real_read(slab, slot, length)
+        if length > HEADROOM:  # (2 read meanwhile, so 1 is again the least recent)
+            tier._index.move_to_end(blocks[1][0], last=False)
             tier.put(*blocks[3])
-        return file
+        return data
 
-    monkeypatch.setattr(disk_module, "open", open_then_evict, raising=False)
+    monkeypatch.setattr(tier, "_read", read_then_evict)
     assert tier.get(blocks[1][0]) is None
     monkeypatch.undo()
-    assert tier.path_of(blocks[3][0]).stat().st_ino == second_inode  # 3 went into 1's old file
+    assert tier.location(blocks[3][0]) == second
     assert tier.get(blocks[3][0]) == blocks[3][1] and tier.check_integrity() == []
-    tier.put(NS.key(b"x" * 32), encode(os.urandom(8192), NS.digest, FORMAT_VERSION))  # evicts both: 2 spares
-    (spare,) = tmp_path.rglob(".tmp-spare-*")  # one was written over, one is left
-    spare.unlink()  # as a restarting instance on the same directory clears temporaries
-    empty = encode(b"", NS.digest, FORMAT_VERSION)  # fits without evicting: the deleted spare is next
-    assert tier.put(NS.key(b"y" * 32), empty)  # a new file instead, no fault
-    assert tier.get(NS.key(b"y" * 32)) == empty and tier.check_integrity() == []
+    big = encode(os.urandom(2 * 4096), NS.digest, FORMAT_VERSION)  # another size of slot: evicts both,
+    assert tier.put(NS.key(b"x" * 32), big)  # and the emptied slab is deleted to make room
+    (slab,) = tmp_path.rglob("*.slab")
+    assert slab.name.startswith("12288-") and tier.get(NS.key(b"x" * 32)) == big
+    assert tier.check_integrity() == [] and tier.used_bytes == 12288
     tier.close()
-    assert not list(tmp_path.rglob(".tmp-*"))  # close deletes the spares
 
 
-@pytest.mark.parametrize("damage,reason", [("flip", "checksum"), ("truncate", "truncated")])
+def test_two_engines_on_one_disk_directory_keep_to_their_own_slabs(tmp_path):
+    first, second = DiskTier(tmp_path, 4 * SLOT), DiskTier(tmp_path, 4 * SLOT)
+    a, b = (NS.key(block(i)[0]) for i in range(2))
+    record_a, record_b = (encode(block(i)[1], NS.digest, FORMAT_VERSION) for i in range(2))
+    first.put(a, record_a)
+    second.put(b, record_b)  # cannot take the first one's slab (locked): makes its own
+    assert len(list(tmp_path.rglob("*.slab"))) == 2
+    assert first.get(a) == record_a and second.get(b) == record_b and second.get(a) is None
+    first.close()
+    third = DiskTier(tmp_path, 4 * SLOT)  # a restart beside the live second: adopts the first's slab only
+    assert third.get(a) == record_a and third.get(b) is None and third.check_integrity() == []
+    second.close()
+    third.close()
+
+
+@pytest.mark.parametrize("damage,reason", [("flip", "checksum"), ("truncate", "truncated"),
+                                           ("header", "checksum"), ("torn", "checksum")])
 def test_corrupt_disk_block_is_detected_deleted_and_counted(tmp_path, damage, reason):
     with make_store(disk_dir=str(tmp_path)) as store:
         block_hash, payload = block(0)
         store.put(block_hash, payload)
         store.flush()
-        (path,) = tmp_path.rglob("*.kv")
+        path, offset, length = store.tiers[0].location(NS.key(block_hash))
         data = bytearray(path.read_bytes())
-        if damage == "flip":
-            data[OVERHEAD + 100] ^= 0xFF
-        else:
-            del data[len(data) // 2:]
+        if damage == "flip":  # a payload byte: the record's own CRC
+            data[offset + OVERHEAD + 100] ^= 0xFF
+        elif damage == "truncate":
+            del data[offset + length // 2:]
+        elif damage == "header":  # the key in the slot header: its CRC
+            data[offset - HEADROOM + 40] ^= 0xFF
+        else:  # a torn write: the header of a new block over the older record (every CRC is sound)
+            other = encode(block(1)[1], NS.digest, NS.format_version)
+            data[offset:offset + len(other)] = other
         path.write_bytes(bytes(data))
         assert store.get(block_hash) is None
-        assert not path.exists() and store.lookup([block_hash]) == []
+        assert store.lookup([block_hash]) == [] and store.tiers[0].location(NS.key(block_hash)) is None
         assert store.stats().tiers["disk"].faults == {reason: 1}
         assert store.check_integrity() == []
+    with make_store(disk_dir=str(tmp_path)) as restarted:  # its slot header was voided: not indexed again
+        assert restarted.lookup([block_hash]) == [] and restarted.check_integrity() == []
 
 
 def test_unwritable_disk_dir_warns_disables_the_tier_and_recovers(tmp_path, caplog):
@@ -299,7 +327,7 @@ def test_unwritable_disk_dir_warns_disables_the_tier_and_recovers(tmp_path, capl
             store.flush()
             time.sleep(0.05)
         assert store.stats().tiers["disk"].writes >= 1
-        assert list((blocker / "kv").rglob("*.kv"))
+        assert list((blocker / "kv").rglob("*.slab"))
 
 
 @pytest.fixture
@@ -416,18 +444,16 @@ def test_integrity_check_can_fail(tmp_path):
     with make_store(disk_dir=str(tmp_path)) as store:
         store.put(*block(0))
         store.flush()
-        (path,) = tmp_path.rglob("*.kv")
+        (path,) = tmp_path.rglob("*.slab")
         path.write_bytes(b"x")
-        assert store.check_integrity() == [f"disk: {path.name} is 1 bytes, indexed as {4096 + OVERHEAD}"]
-        path.unlink()
-        assert store.check_integrity() == [f"disk: {path.name} indexed but missing"]
+        assert store.check_integrity() == [f"disk: slot 0 of {path.name} does not hold its indexed block"]
 
 
 def test_a_full_writer_queue_drops_and_counts(tmp_path):
     with TieredKVStore(OffloadConfig(disk_dir=str(tmp_path)), NS, max_pending_bytes=1000) as store:
         store.put(*block(0, 4096))
         store.flush()
-        assert store.stats().dropped_writes == 1 and not list(tmp_path.rglob("*.kv"))
+        assert store.stats().dropped_writes == 1 and not list(tmp_path.rglob("*.slab"))
 
 
 class SlowTier(Tier):
@@ -571,7 +597,7 @@ def test_metrics_render_per_tier_counters(tmp_path):
         store.flush()
         store.tiers[0].delete(NS.key(block_hash))
         store.get(block_hash)  # cpu miss, disk hit
-        (path,) = tmp_path.rglob("*.kv")
+        (path,) = tmp_path.rglob("*.slab")
         path.write_bytes(b"junk")
         store.tiers[0].delete(NS.key(block_hash))
         store.get(block_hash)  # cpu miss, disk corrupt

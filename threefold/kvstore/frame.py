@@ -42,12 +42,18 @@ def encode(payload: bytes, namespace_digest: bytes, version: int) -> bytes:
     return header + payload + _CRC.pack(zlib.crc32(payload, zlib.crc32(header)))
 
 
+HEADROOM = 128
+"""Bytes a RecordBuffer keeps free before each record, for a tier's own header (disk.py's slot header):
+the tier then writes header and record from one page-aligned buffer, with no staging copy."""
+
+
 class RecordBuffer:
     """One reused, page-aligned buffer that a writer frames each record into, in one pass: the payload
     is copied in once and checksummed there, while its bytes are still in the cache (a CRC over the
     payload where it lies reads it from memory a second time), and every tier writes the same view:
-    a file with O_DIRECT straight from it (the buffer is aligned: no staging copy), Redis as it is (no
-    joined copy). Not thread-safe: one per writer thread; a record is valid until the next `pack`."""
+    a file with O_DIRECT straight from it, HEADROOM bytes before the record left for its own header
+    (the buffer is aligned: no staging copy), Redis the record as it is (no joined copy). Not
+    thread-safe: one per writer thread; a record is valid until the next `pack`."""
 
     def __init__(self) -> None:
         self._buffer = mmap.mmap(-1, PAGE)  # anonymous mmap: page-aligned, as O_DIRECT wants
@@ -56,9 +62,9 @@ class RecordBuffer:
     def pack(self, payload: bytes, namespace_digest: bytes, version: int) -> memoryview:
         """Frame `payload` into the buffer; the record's bytes (the same as `encode` returns)."""
         size = OVERHEAD + len(payload)
-        if len(self._buffer) < padded_size(size, PAGE):  # (the old one goes with the last view of it)
-            self._buffer = mmap.mmap(-1, padded_size(size, PAGE))
-        view = memoryview(self._buffer)
+        if len(self._buffer) < padded_size(HEADROOM + size, PAGE):  # (the old one goes with the last view)
+            self._buffer = mmap.mmap(-1, padded_size(HEADROOM + size, PAGE))
+        view = memoryview(self._buffer)[HEADROOM:]
         _HEADER.pack_into(view, 0, MAGIC, version, namespace_digest, len(payload))
         end = _HEADER.size + len(payload)
         view[_HEADER.size:end] = payload
@@ -66,10 +72,14 @@ class RecordBuffer:
         self._size = size
         return view[:size]
 
-    def padded(self, align: int) -> memoryview:
-        """The last record and the bytes after it, up to a multiple of `align` (a power of two up to
-        PAGE): an O_DIRECT write's unit. The padding is stale bytes, for the writer to cut off."""
-        return memoryview(self._buffer)[:padded_size(self._size, align)]
+    def with_header(self, header: bytes, align: int) -> memoryview:
+        """The last record with `header` (at most HEADROOM bytes) written in the room before it, from the
+        buffer's start up to a multiple of `align` (a power of two up to PAGE): an O_DIRECT write's unit.
+        Between header and record, and after the record, lie stale bytes."""
+        assert len(header) <= HEADROOM
+        view = memoryview(self._buffer)
+        view[:len(header)] = header
+        return view[:padded_size(HEADROOM + self._size, align)]
 
 
 def padded_size(size: int, align: int) -> int:

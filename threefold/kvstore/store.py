@@ -292,8 +292,12 @@ class TieredKVStore:
         return [None if record is None else self._verified(tier, key, record)
                 for key, record in zip(keys, records, strict=True)]
 
-    def _verified(self, tier: Tier, key: bytes, record: bytes) -> bytes | None:
+    def _verified(self, tier: Tier, key: bytes, record: bytes | FrameError) -> bytes | None:
+        """The payload of a sound record; None (counted, the block deleted) for a bad one, or one the
+        tier itself found bad (a disk slot whose header does not name it: Tier.get_many)."""
         try:
+            if isinstance(record, FrameError):
+                raise record
             return decode(record, self.namespace.digest, self.namespace.format_version)
         except FrameError as bad:
             logger.warning("KV offload %s tier: dropping a bad block (%s)", tier.name, bad)

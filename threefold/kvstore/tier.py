@@ -46,7 +46,8 @@ class Tier(ABC):
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
         """One answer per key, in order (a remote tier in one round trip). A fault raises TierFault with
-        the answers before it in `partial`."""
+        the answers before it in `partial`. A tier that checks its own storage around a record (the disk
+        tier's slot header) puts the FrameError in place of a value it found bad."""
         values: list[bytes | None] = []
         for key in keys:
             try:
