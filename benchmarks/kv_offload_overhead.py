@@ -49,6 +49,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-minutes", type=float, default=8.0,
                         help="start no new pair past this wall time (default 8: the shared lock's limit); "
                              "the report covers the pairs done")
+    parser.add_argument("--no-disk", action="store_true", help="no L3 (L2 alone: what the host-memory copies cost)")
     parser.add_argument("--disk-parent", default=None,
                         help="directory to make L3's temporary directory in (default: the system's tmp)")
     parser.add_argument("--seed", type=int, default=0)
@@ -94,7 +95,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=ns.disk_parent) as disk:
-        config = OffloadConfig(cpu_bytes=ns.cpu_bytes, disk_dir=disk, disk_bytes=ns.disk_bytes)
+        config = OffloadConfig(cpu_bytes=ns.cpu_bytes, disk_dir=None if ns.no_disk else disk, disk_bytes=ns.disk_bytes)
         engines = {mode: LLM.from_engine(LLMEngine(loaded, EngineArgs(
             max_model_len=2048, kv_cache_memory=256 << 20, kv_offload=config if mode == "on" else None)))
             for mode in ("off", "on")}
@@ -128,7 +129,7 @@ def report(ns: argparse.Namespace, runs: dict[str, list[dict[str, float]]], drop
     off, on = runs["off"], runs["on"]
     tokens = ns.prompts * (ns.len + ns.max_tokens)
     print(f"\n{len(on)} pairs of {ns.prompts} prompts x {ns.len} tokens, {ns.max_tokens} out, no reuse; "
-          f"on = L2 {ns.cpu_bytes >> 20} MiB + L3 disk ({ns.disk_parent or 'tmp dir'})")
+          f"on = L2 {ns.cpu_bytes >> 20} MiB" + ("" if ns.no_disk else f" + L3 disk ({ns.disk_parent or 'tmp dir'})"))
     print(f"throughput, median run: off {tokens / statistics.median(r['gen'] for r in off):.1f} tok/s, "
           f"on {tokens / statistics.median(r['gen'] for r in on):.1f} tok/s")
     for name, key in (("to the last token (throughput)", "gen"), ("until written (idle drain included)", "drained")):

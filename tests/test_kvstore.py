@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -610,3 +611,16 @@ def test_metrics_render_per_tier_counters(tmp_path):
                  'threefold:kv_offload_capacity_bytes{model_name="smollm2",tier="cpu"} 1.048576e+06',
                  'threefold:kv_offload_dropped_writes_total{model_name="smollm2"} 0.0'):
         assert line in text, line
+
+
+@pytest.mark.parametrize("env,expected", [({}, "True"), ({"MALLOC_TRIM_THRESHOLD_": "131072"}, "False")])
+def test_the_store_keeps_mallocs_heap_mapped_unless_the_user_tuned_it(env, expected):
+    # A fresh process: the setting is process-wide and made once. glibc only (this image's libc).
+    script = ("from threefold.kvstore.malloc import keep_heap_mapped\n"
+              "from threefold.kvstore import Namespace, OffloadConfig, TieredKVStore\n"
+              "TieredKVStore(OffloadConfig(cpu_bytes=1 << 20), Namespace('w', 'auto', 16)).close()\n"
+              "print(keep_heap_mapped())")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    result = subprocess.run([sys.executable, "-c", script], env={**clean, **env}, capture_output=True, text=True,
+                            timeout=60, check=True)
+    assert result.stdout.strip() == expected

@@ -39,6 +39,7 @@ from threefold.kvstore.config import OffloadConfig
 from threefold.kvstore.disk import DiskTier
 from threefold.kvstore.frame import FrameError, RecordBuffer, decode
 from threefold.kvstore.keys import Namespace
+from threefold.kvstore.malloc import keep_heap_mapped
 from threefold.kvstore.memory import MemoryTier
 from threefold.kvstore.stats import StatsBook, StoreStats
 from threefold.kvstore.tier import Tier, TierFault
@@ -87,6 +88,7 @@ class TieredKVStore:
                  max_pending_bytes: int = MAX_PENDING_BYTES, writer_cpu_share: float = WRITER_CPU_SHARE,
                  backlog_share: float = WRITER_BACKLOG_SHARE) -> None:
         self.config, self.namespace = config, namespace
+        keep_heap_mapped()  # every block's payload is allocated here and freed by the writer (malloc.py)
         self.tiers = build_tiers(config) if tiers is None else tiers
         first = self.tiers[0] if self.tiers else None
         self._memory = first if isinstance(first, MemoryTier) else None
