@@ -133,6 +133,7 @@ class DiskTier(Tier):
         self._write_lock = threading.Lock()  # one writer of the write buffer at a time
         self._backoff = backoff or Backoff()
         self._opened = False
+        self._closed = False
         self.direct = hasattr(os, "O_DIRECT")
         """Whether slabs are read and written past the page cache; False where the filesystem refuses it."""
         self._write_buffer = mmap.mmap(-1, DIRECT_ALIGN)  # page-aligned; grown to the largest slot
@@ -253,7 +254,7 @@ class DiskTier(Tier):
             os.close(fd)
 
     def available(self) -> bool:
-        return self._opened or (self._backoff.ready() and self._try_open())
+        return self._opened or (not self._closed and self._backoff.ready() and self._try_open())
 
     def location(self, key: bytes) -> tuple[Path, int, int] | None:
         """(slab file, byte offset of the record, record length) of a held block: for tests and tools."""
@@ -433,7 +434,7 @@ class DiskTier(Tier):
         """Close the slabs (releasing their locks for the next engine on this directory)."""
         with self._write_lock:
             self._close_slabs()
-            self._opened = False
+            self._opened, self._closed = False, True
 
     # ---- helpers ---------------------------------------------------------------
 
