@@ -155,7 +155,8 @@ def run_policy(policy: str, urls: list[str], ns, sessions, keyer, model: EngineM
     (Path(ns.out) / f"records_{policy}.json").write_text(json.dumps(records))  # to re-simulate without a rerun
     steps = [step for i in range(len(urls)) for step in read_step_log(step_log(ns, i), began, ended)]
     return {**compare(policy, records, ns, model, len(urls)), "routed": [s.get("routed", 0) for s in state.values()],
-            "delays_in_run": dataclasses.asdict(in_run) if in_run else None, "drift": model.drift(steps)}
+            "delays_in_run": dataclasses.asdict(in_run) if in_run else None, "drift": model.drift(steps),
+            "window": [began, ended]}
 
 
 def step_log(ns, replica: int) -> Path:
@@ -294,7 +295,11 @@ def resimulate(ns: argparse.Namespace) -> None:
         in_run = row.get("delays_in_run") if ns.in_run_delays and not ns.no_delays else None
         row_model = Delays(**in_run).apply(model) if in_run else model  # the HTTP path at the run's own load
         replicas = previous["args"]["replicas"]
-        report["policies"].append({**row, **compare(row["policy"], records, ns, row_model, replicas)})
+        logs = [step_log(ns, i) for i in range(replicas) if step_log(ns, i).exists()]
+        # this model's drift over the policy's run (runs before the "window" field: over the whole run)
+        steps = [step for log in logs for step in read_step_log(log, *row.get("window", []))]
+        report["policies"].append({**row, **compare(row["policy"], records, ns, row_model, replicas),
+                                   "drift": model.drift(steps) if steps else row.get("drift")})
     print(f"engine model: {report['calibration']}\n")
     print(markdown(report))
     if ns.report:
