@@ -277,7 +277,8 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def resimulate(ns: argparse.Namespace) -> None:
+def resimulate(ns: argparse.Namespace) -> dict:
+    """The report of an earlier run (in --out) simulated again, with --calibration or --calibration-from."""
     out = Path(ns.out)
     previous = json.loads((out / "validation.json").read_text())
     for key in ("rate", "slo", "seed", "think", "turns"):  # the run's own schedule and router settings
@@ -300,10 +301,9 @@ def resimulate(ns: argparse.Namespace) -> None:
         steps = [step for log in logs for step in read_step_log(log, *row.get("window", []))]
         report["policies"].append({**row, **compare(row["policy"], records, ns, row_model, replicas),
                                    "drift": model.drift(steps) if steps else row.get("drift")})
-    print(f"engine model: {report['calibration']}\n")
-    print(markdown(report))
     if ns.report:
         Path(ns.report).write_text(json.dumps(report, indent=1) + "\n")
+    return report
 
 
 def main() -> None:
@@ -335,7 +335,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     ns = parser.parse_args()
     if ns.resimulate:
-        resimulate(ns)
+        report = resimulate(ns)
+        print(f"engine model: {report['calibration']}\n\n{markdown(report)}")
         return
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
