@@ -115,7 +115,7 @@ def test_simulate_calibrates_from_step_logs(tmp_path, capsys):
 def test_a_real_engines_step_log_gives_a_model_that_prices_its_steps(make_llm, tmp_path):
     path = tmp_path / "steps.jsonl"
     llm = make_llm(step_log=str(path))
-    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)  # 5 decode steps each: 20 in all
     for k, long in enumerate((520, 560, 600)):  # a long prompt beside a short one, then their decodes
         first = 1000 * (k + 1)
         prompts = [list(range(first, first + long)), list(range(first + 900, first + 940 + 30 * k))]
