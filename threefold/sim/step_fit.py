@@ -61,8 +61,11 @@ def read_step_logs(paths: Iterable[str | Path]) -> list[LoggedStep]:
 def calibrate_from_step_logs(paths: Iterable[str | Path], base: EngineModel | None = None) -> EngineModel:
     """The engine model fitted to these logs' steps; everything but the step prices from `base`."""
     paths = list(paths)
-    model = fit_steps(read_step_logs(paths), base)
-    return dataclasses.replace(model, source=f"step logs: {', '.join(str(p) for p in paths)}")
+    steps = read_step_logs(paths)
+    model = fit_steps(steps, base)
+    largest = max(_shape(step)[0] for step in steps)  # past it the profile is extrapolated
+    return dataclasses.replace(model, source=f"step logs: {', '.join(str(p) for p in paths)} ({len(steps)} steps, "
+                                             f"the largest {largest} tokens)")
 
 
 def fit_steps(steps: Sequence[LoggedStep], base: EngineModel | None = None) -> EngineModel:
