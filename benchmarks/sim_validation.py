@@ -22,6 +22,16 @@
 6. The replicas log every step (`--step-log`): per policy, how much slower or faster their real steps ran
    than the calibration prices the same shapes (`EngineModel.drift`), which is the part of the error
    that is the calibration's rather than the simulator's.
+
+Out of sample (`--calibration-from DIR`): the engine model is fitted to the step logs an earlier run left
+in DIR (`threefold.sim.step_fit`) instead of a startup calibration, and this run (another seed: other
+sessions, another schedule) validates it; the router is configured from it too. With --resimulate the
+other way round: an earlier run's records simulated with the model fitted to a later run's logs.
+
+    tfquiet timeout 700 python benchmarks/sim_validation.py ... --seed 1 --out results/valA
+    tfquiet timeout 700 python benchmarks/sim_validation.py ... --seed 2 --calibration-from results/valA \
+        --out results/valB                                                                      # A -> B
+    python benchmarks/sim_validation.py --resimulate --calibration-from results/valB --out results/valA  # B -> A
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ from threefold.router.radix import block_hashes, prefix_key
 from threefold.sim.delays import Delays, delays_between, probe, scrape
 from threefold.sim.engine_model import EngineModel
 from threefold.sim.simulator import Simulator, router_config
+from threefold.sim.step_fit import calibrate_from_step_logs
 from threefold.sim.traces import Trace, Turn
 
 PINNED_ENV = {"OMP_NUM_THREADS": "1", "THREEFOLD_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -70,6 +81,23 @@ def calibrate(ns: argparse.Namespace, out: Path) -> Path:
     cmd = [sys.executable, "-m", "threefold.cli", "bench", "calibrate", "--model", ns.model, "--out", str(path)]
     subprocess.run(pinned(cmd, 0), env={**os.environ, **PINNED_ENV}, check=True)
     return path
+
+
+def step_log_model(dirs: str, base: EngineModel | None) -> EngineModel:
+    """The engine model fitted to every replica step log (steps_*.jsonl) in these comma-separated folders."""
+    logs = sorted(log for folder in dirs.split(",") for log in Path(folder).glob("steps_*.jsonl"))
+    if not logs:
+        raise SystemExit(f"no steps_*.jsonl in {dirs}")
+    return calibrate_from_step_logs(logs, base)
+
+
+def base_model(ns: argparse.Namespace) -> EngineModel | None:
+    """Where a step-log fit takes the pool, block size and batch limits from: --calibration, or the
+    first --calibration-from folder's own calibration.json (the replicas' pool is measured anyway)."""
+    if ns.calibration:
+        return EngineModel.load(ns.calibration)
+    first = Path(ns.calibration_from.split(",")[0]) / "calibration.json"
+    return EngineModel.load(first) if first.exists() else None
 
 
 def replay(url: str, ns, sessions, tag: str, keyer: PromptKeyer, starts, thinks) -> list[list[dict]]:
@@ -127,7 +155,8 @@ def run_policy(policy: str, urls: list[str], ns, sessions, keyer, model: EngineM
     (Path(ns.out) / f"records_{policy}.json").write_text(json.dumps(records))  # to re-simulate without a rerun
     steps = [step for i in range(len(urls)) for step in read_step_log(step_log(ns, i), began, ended)]
     return {**compare(policy, records, ns, model, len(urls)), "routed": [s.get("routed", 0) for s in state.values()],
-            "delays_in_run": dataclasses.asdict(in_run) if in_run else None, "drift": model.drift(steps)}
+            "delays_in_run": dataclasses.asdict(in_run) if in_run else None, "drift": model.drift(steps),
+            "window": [began, ended]}
 
 
 def step_log(ns, replica: int) -> Path:
@@ -248,23 +277,33 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def resimulate(ns: argparse.Namespace) -> None:
+def resimulate(ns: argparse.Namespace) -> dict:
+    """The report of an earlier run (in --out) simulated again, with --calibration or --calibration-from."""
     out = Path(ns.out)
     previous = json.loads((out / "validation.json").read_text())
     for key in ("rate", "slo", "seed", "think", "turns"):  # the run's own schedule and router settings
         setattr(ns, key, previous["args"][key])
-    model = EngineModel.load(ns.calibration or previous["calibration"])
+    if ns.calibration_from:
+        model = step_log_model(ns.calibration_from, EngineModel.load(ns.calibration or previous["calibration"]))
+    else:
+        model = EngineModel.load(ns.calibration or previous["calibration"])
     delays = Delays(**previous["delays"]) if previous.get("delays") and not ns.no_delays else Delays(0.0, 0.0, 0)
     model = delays.apply(dataclasses.replace(model, num_blocks=previous["num_blocks"]))
-    report = {**previous, "calibration": ns.calibration or previous["calibration"], "policies": [],
+    report = {**previous, "calibration": model.source or ns.calibration or previous["calibration"], "policies": [],
               "delays": dataclasses.asdict(delays)}
     for row in previous["policies"]:
         records = json.loads((out / f"records_{row['policy']}.json").read_text())
         in_run = row.get("delays_in_run") if ns.in_run_delays and not ns.no_delays else None
         row_model = Delays(**in_run).apply(model) if in_run else model  # the HTTP path at the run's own load
         replicas = previous["args"]["replicas"]
-        report["policies"].append({**row, **compare(row["policy"], records, ns, row_model, replicas)})
-    print(markdown(report))
+        logs = [step_log(ns, i) for i in range(replicas) if step_log(ns, i).exists()]
+        # this model's drift over the policy's run (runs before the "window" field: over the whole run)
+        steps = [step for log in logs for step in read_step_log(log, *row.get("window", []))]
+        report["policies"].append({**row, **compare(row["policy"], records, ns, row_model, replicas),
+                                   "drift": model.drift(steps) if steps else row.get("drift")})
+    if ns.report:
+        Path(ns.report).write_text(json.dumps(report, indent=1) + "\n")
+    return report
 
 
 def main() -> None:
@@ -281,6 +320,11 @@ def main() -> None:
     parser.add_argument("--policies", default="round_robin,dualmap")
     parser.add_argument("--kv-cache-memory", type=int, default=256 << 20)
     parser.add_argument("--calibration", default=None, help="engine model JSON (default: calibrate first)")
+    parser.add_argument("--calibration-from", default=None, metavar="DIR[,DIR...]",
+                        help="fit the engine model to the replica step logs (steps_*.jsonl) an earlier run left "
+                             "in DIR instead (out of sample: validate on another run); the pool and limits from "
+                             "--calibration or DIR/calibration.json")
+    parser.add_argument("--report", default=None, help="with --resimulate: also write the report's JSON here")
     parser.add_argument("--resimulate", action="store_true",
                         help="no real run: simulate the records_<policy>.json a run left in --out again "
                              "(with --calibration, e.g. a refitted one)")
@@ -291,15 +335,22 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     ns = parser.parse_args()
     if ns.resimulate:
-        resimulate(ns)
+        report = resimulate(ns)
+        print(f"engine model: {report['calibration']}\n\n{markdown(report)}")
         return
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    cal = Path(ns.calibration) if ns.calibration else calibrate(ns, out)
-    model = EngineModel.load(cal)
+    if ns.calibration_from:
+        model = step_log_model(ns.calibration_from, base_model(ns))
+        model.save(out / "step_log_model.json")
+        cal = out / "step_log_model.json"
+    else:
+        cal = Path(ns.calibration) if ns.calibration else calibrate(ns, out)
+        model = EngineModel.load(cal)
     tokenizer = load_tokenizer(ns.model)
     sessions = load_sharegpt_sessions(ns.sessions, tokenizer, LengthLimits(max_output_len=ns.max_tokens,
-                                                                           max_total_len=1536), min_turns=ns.turns)
+                                                                           max_total_len=1536),
+                                      seed=ns.seed, min_turns=ns.turns)
     placeholder = Trace("schedule", [[None] * ns.turns for _ in sessions], ns.think)  # type: ignore[list-item]
     schedule = placeholder.arrivals(ns.rate, ns.seed)
     keyer = PromptKeyer(ns.model)

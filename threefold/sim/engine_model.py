@@ -80,6 +80,9 @@ class EngineModel:
     max_num_seqs: int = 256
     model: str = ""
     cpu: str = ""
+    source: str = ""
+    """What the step prices were fitted from: "" for `threefold bench calibrate`'s `points`, else the
+    step logs (`threefold.sim.step_fit`)."""
     points: list[StepPoint] = field(default_factory=list)
     """The raw measurements the fit came from (kept for the record and for refits)."""
 

@@ -19,6 +19,7 @@ from threefold.errors import ThreefoldError
 from threefold.router.policies import policy_names
 from threefold.sim.engine_model import EngineModel
 from threefold.sim.simulator import RunResult, simulate
+from threefold.sim.step_fit import calibrate_from_step_logs
 from threefold.sim.traces import TRACES, Trace, make_trace
 
 ATTAINMENT_GOAL = 0.9
@@ -30,7 +31,12 @@ def add_simulate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default=DEFAULT_POLICIES, help="comma-separated router policies")
     parser.add_argument("--trace", default="sessions", help=f"comma-separated: {', '.join(TRACES)}")
     parser.add_argument("--rates", default="0.5,1,2,4", help="requests/s PER INSTANCE, comma-separated")
-    parser.add_argument("--calibration", required=True, help="engine model JSON from `threefold bench calibrate`")
+    parser.add_argument("--calibration", default=None,
+                        help="engine model JSON from `threefold bench calibrate` (with --calibration-from-step-log: "
+                             "only the replicas' KV pool, block size, batch limits and HTTP delays are taken from it)")
+    parser.add_argument("--calibration-from-step-log", default=None, metavar="FILE[,FILE...]",
+                        help="fit the step prices to real replicas' step logs (`threefold serve --step-log FILE`) "
+                             "instead; the fitted model is saved as OUT/engine_model.json")
     parser.add_argument("--ttft-slo", default="1s", help="TTFT SLO, e.g. 1s or 500ms")
     parser.add_argument("--requests-per-instance", type=int, default=40)
     parser.add_argument("--max-requests", type=int, default=20000, help="cap on requests per run")
@@ -74,8 +80,26 @@ def effective_capacity(run, rates: list[float], bisect_steps: int) -> tuple[floa
     return low, results
 
 
+def engine_model(ns: argparse.Namespace) -> EngineModel:
+    """--calibration, or the step prices fitted to --calibration-from-step-log over its pool and limits."""
+    if not ns.calibration_from_step_log:
+        if not ns.calibration:
+            raise ThreefoldError("give --calibration FILE (`threefold bench calibrate`) or "
+                                 "--calibration-from-step-log FILE[,FILE...] with --calibration", param="calibration")
+        return EngineModel.load(ns.calibration)
+    if not ns.calibration:
+        raise ThreefoldError("--calibration-from-step-log also needs --calibration FILE: a step log holds step "
+                             "times, not the replicas' KV pool, block size and batch limits", param="calibration")
+    paths = [p.strip() for p in ns.calibration_from_step_log.split(",") if p.strip()]
+    model = calibrate_from_step_logs(paths, EngineModel.load(ns.calibration))
+    print(f"engine model fitted to {model.source}: a {model.max_num_batched_tokens}-token prefill "
+          f"{model.prefill_seconds(model.max_num_batched_tokens):.3f} s, decode context "
+          f"{model.per_context_s * 1e9:.1f} ns/token; the pool from {ns.calibration}", flush=True)
+    return model
+
+
 def run_simulate(ns: argparse.Namespace) -> dict:
-    model = EngineModel.load(ns.calibration)
+    model = engine_model(ns)
     slo = parse_seconds(ns.ttft_slo)
     policies = [p.strip() for p in ns.policy.split(",") if p.strip()]
     traces = [t.strip() for t in ns.trace.split(",") if t.strip()]
@@ -89,7 +113,10 @@ def run_simulate(ns: argparse.Namespace) -> dict:
                              f"policies: {policy_names()}, traces: {list(TRACES)}", param="simulate")
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    report: dict = {"calibration": ns.calibration, "model": model.model, "cpu": model.cpu, "ttft_slo_s": slo,
+    if model.source:
+        model.save(out / "engine_model.json")
+    calibration = f"{model.source} over {ns.calibration}" if model.source else ns.calibration
+    report: dict = {"calibration": calibration, "model": model.model, "cpu": model.cpu, "ttft_slo_s": slo,
                     "seed": ns.seed, "runs": [], "capacity": []}
     for n in ns.instances:
         for trace_name in traces:
