@@ -283,6 +283,22 @@ def test_two_engines_on_one_disk_directory_keep_to_their_own_slabs(tmp_path):
     third.close()
 
 
+def test_each_namespace_keeps_its_blocks_in_its_own_slabs_across_a_restart(tmp_path):
+    other = Namespace("weights-sha:other", "auto", 16)
+    tier = DiskTier(tmp_path, 3 * SLOT)
+    mine, theirs = NS.key(block(0)[0]), other.key(block(1)[0])
+    records = {mine: encode(block(0)[1], NS.digest, FORMAT_VERSION),
+               theirs: encode(block(1)[1], other.digest, FORMAT_VERSION)}
+    for key, record in records.items():
+        tier.put(key, record)
+    assert sorted(p.parent.name for p in tmp_path.rglob("*.slab")) == sorted([NS.hex, other.hex])
+    tier.close()
+    restarted = DiskTier(tmp_path, 3 * SLOT)
+    assert all(restarted.get(key) == record for key, record in records.items())
+    assert restarted.check_integrity() == []
+    restarted.close()
+
+
 @pytest.mark.parametrize("damage,reason", [("flip", "checksum"), ("truncate", "truncated"),
                                            ("header", "checksum"), ("torn", "checksum")])
 def test_corrupt_disk_block_is_detected_deleted_and_counted(tmp_path, damage, reason):

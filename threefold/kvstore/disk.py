@@ -95,6 +95,11 @@ def parse_slot_header(data: memoryview | bytes) -> tuple[bytes, int, int, int] |
     return bytes(data[_SLOT.size:end]), written_ns, length, record_crc
 
 
+Kind = tuple[str, int]
+"""(namespace hex, slot bytes): the blocks a slab's slots take. A namespace's blocks go to its own slabs only,
+so its directory holds its blocks (and the restart scan finds them there)."""
+
+
 @dataclass(eq=False)
 class Slab:
     """One slab file: `num_written` slots so far (the file's extent), at most `num_slots`."""
@@ -103,6 +108,8 @@ class Slab:
     fd: int
     """Open for reading, and holding the slab's lock (writes open an fd of their own)."""
     slot_bytes: int
+    namespace: str
+    """The hex digest of the namespace whose blocks it holds (its directory's name)."""
     num_slots: int
     num_written: int = 0
     occupied: int = 0
@@ -111,6 +118,10 @@ class Slab:
 
     def offset(self, slot: int) -> int:
         return slot * self.slot_bytes
+
+    @property
+    def kind(self) -> Kind:
+        return self.namespace, self.slot_bytes
 
 
 Location = tuple[Slab, int, int]
@@ -124,8 +135,8 @@ class DiskTier(Tier):
         self.root = Path(root)
         self._capacity = capacity_bytes
         self._index: OrderedDict[bytes, Location] = OrderedDict()  # oldest first
-        self._free: dict[int, list[tuple[Slab, int]]] = {}  # slot bytes -> free slots
-        self._filling: dict[int, Slab] = {}  # slot bytes -> the slab whose unwritten slots come next
+        self._free: dict[Kind, list[tuple[Slab, int]]] = {}  # free slots of each kind
+        self._filling: dict[Kind, Slab] = {}  # the slab of each kind whose unwritten slots come next
         self._slabs: list[Slab] = []
         self._used = 0  # slot bytes of the indexed blocks
         self._allocated = 0  # slot bytes of every slot written at least once (the slabs' extent)
@@ -189,7 +200,7 @@ class DiskTier(Tier):
                 slab.occupied += 1
             taken = {(id(slab), slot) for slab, slot, _ in self._index.values()}
             for slab in self._slabs:
-                self._free.setdefault(slab.slot_bytes, []).extend(
+                self._free.setdefault(slab.kind, []).extend(
                     (slab, slot) for slot in range(slab.num_written) if (id(slab), slot) not in taken)
             while self._used > self._capacity and self._index:  # (the tier was made smaller)
                 self._evict_oldest()
@@ -209,12 +220,12 @@ class DiskTier(Tier):
             os.close(fd)
             return None
         num_written = os.fstat(fd).st_size // slot_bytes  # a slot cut short at the end is written over
-        slab = Slab(path, fd, slot_bytes, max(num_written, SLAB_BYTES // slot_bytes), num_written,
+        slab = Slab(path, fd, slot_bytes, path.parent.name, max(num_written, SLAB_BYTES // slot_bytes), num_written,
                     generations=[0] * num_written)
         self._slabs.append(slab)
         self._allocated += num_written * slot_bytes
         if num_written < slab.num_slots:
-            self._filling[slot_bytes] = slab
+            self._filling[slab.kind] = slab
         return slab
 
     def _scan(self, slab: Slab, ns_hex: str) -> list[tuple[bytes, int, int, int]]:
@@ -354,7 +365,7 @@ class DiskTier(Tier):
                     self._write_slot(slab, slot, key, record, buffer)
                 except OSError:
                     with self._lock:
-                        self._free.setdefault(slot_bytes, []).append((slab, slot))
+                        self._free.setdefault(slab.kind, []).append((slab, slot))
                     raise
             except OSError as exc:
                 self._backoff.failed()
@@ -452,15 +463,16 @@ class DiskTier(Tier):
     def _claim(self, key: bytes, slot_bytes: int) -> tuple[Slab, int] | None:
         """A slot for a new block: a free one, else a new one within capacity, else the least recently
         used block's (evicted); None when the tier cannot hold it. Holds the write lock."""
+        kind = key[:DIGEST_BYTES].hex(), slot_bytes
         while True:
             with self._lock:
-                free = self._free.get(slot_bytes)
+                free = self._free.get(kind)
                 if free:
                     slab, slot = free.pop()
                     slab.generations[slot] += 1
                     return slab, slot
                 if self._allocated + slot_bytes <= self._capacity:
-                    filling = self._filling.get(slot_bytes)
+                    filling = self._filling.get(kind)
                     if filling is not None and filling.num_written < filling.num_slots:
                         filling.num_written += 1
                         filling.generations.append(0)
@@ -471,18 +483,19 @@ class DiskTier(Tier):
                     continue
                 else:
                     return None
-            self._new_slab(key, slot_bytes)  # (outside the lock: creating a file; readers go on)
+            self._new_slab(kind)  # (outside the lock: creating a file; readers go on)
 
-    def _new_slab(self, key: bytes, slot_bytes: int) -> None:
-        directory = self.root / key[:DIGEST_BYTES].hex()
+    def _new_slab(self, kind: Kind) -> None:
+        namespace, slot_bytes = kind
+        directory = self.root / namespace
         directory.mkdir(exist_ok=True)
         path = directory / f"{slot_bytes}-{uuid.uuid4().hex}{SUFFIX}"
         fd = self._open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with self._lock:
-            slab = Slab(path, fd, slot_bytes, max(1, SLAB_BYTES // slot_bytes))
+            slab = Slab(path, fd, slot_bytes, namespace, max(1, SLAB_BYTES // slot_bytes))
             self._slabs.append(slab)
-            self._filling[slot_bytes] = slab
+            self._filling[kind] = slab
 
     def _evict_oldest(self) -> None:
         """Drop the least recently used block (holding the lock); its slot is free for the next write."""
@@ -497,12 +510,12 @@ class DiskTier(Tier):
         """A slot no block holds (holding the lock): free, or the whole slab deleted once it holds no block
         (its bytes go back to the tier: another size of slot, another namespace, may need them)."""
         if slab.occupied > 0:
-            self._free.setdefault(slab.slot_bytes, []).append((slab, slot))
+            self._free.setdefault(slab.kind, []).append((slab, slot))
             return
         self._slabs.remove(slab)
-        self._free[slab.slot_bytes] = [(s, i) for s, i in self._free.get(slab.slot_bytes, []) if s is not slab]
-        if self._filling.get(slab.slot_bytes) is slab:
-            del self._filling[slab.slot_bytes]
+        self._free[slab.kind] = [(s, i) for s, i in self._free.get(slab.kind, []) if s is not slab]
+        if self._filling.get(slab.kind) is slab:
+            del self._filling[slab.kind]
         self._allocated -= slab.num_written * slab.slot_bytes
         with contextlib.suppress(OSError):
             slab.path.unlink()
