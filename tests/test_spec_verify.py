@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from threefold.kernels import cpu_kernels
 from threefold.sample.metadata import SamplingMetadata, TokenCounts
 from threefold.sample.params import SamplingParams
 from threefold.sample.sampler import Sampler
-from threefold.kernels import cpu_kernels
 from threefold.spec.verify import raw_argmax_decides, verify_chains
 
 VOCAB = 8
