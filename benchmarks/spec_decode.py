@@ -6,7 +6,7 @@
 For each workload (HumanEval prompts, greedy; ShareGPT *test*-split first turns, chat
 template, greedy) and each concurrency (1, 8, 32: a closed loop keeping that many
 requests in flight), every configuration runs over the same requests, interleaved
-(off, then each method, repeated --rounds times), in one process over one loaded model.
+(off, then each method; every other round in reverse order), in one process over one loaded model.
 Batch 1 runs the first 6 prompts; concurrency c runs c x --waves prompts, refilled as
 they finish, so the cell is a steady state (a finished request's slot goes to the next
 prompt) rather than one batch's makespan, which speculation can only lengthen.
@@ -58,13 +58,15 @@ def run(engine: LLMEngine, prompts: list[str], concurrency: int, max_tokens: int
     """Closed loop: `concurrency` requests in flight until every prompt is done."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     before = engine.get_stats()
-    pending, last_seen, gaps, num_tokens = list(enumerate(prompts)), {}, [], 0
+    pending, last_seen, gaps, num_tokens, num_steps = list(enumerate(prompts)), {}, [], 0, 0
+    emitting: dict[str, int] = {}  # request -> steps that gave it tokens
     start = time.perf_counter()
     while pending or engine.has_unfinished_requests():
         while pending and len(last_seen) < concurrency:
             index, prompt = pending.pop(0)
             engine.add_request(str(index), prompt, params)
             last_seen[str(index)] = (None, 0)
+        num_steps += 1
         for output in engine.step():
             now = time.perf_counter()
             seen_time, seen_tokens = last_seen[output.request_id]
@@ -72,6 +74,7 @@ def run(engine: LLMEngine, prompts: list[str], concurrency: int, max_tokens: int
             if tokens > seen_tokens and seen_time is not None:
                 gaps.append(now - seen_time)
             num_tokens += tokens - seen_tokens
+            emitting[output.request_id] = emitting.get(output.request_id, 0) + (tokens > seen_tokens)
             last_seen[output.request_id] = (now, tokens)
             if output.finished:
                 del last_seen[output.request_id]
@@ -82,7 +85,9 @@ def run(engine: LLMEngine, prompts: list[str], concurrency: int, max_tokens: int
     per_pos_after = after.spec_num_accepted_tokens_per_pos or []
     per_pos_before = (before.spec_num_accepted_tokens_per_pos or []) + [0] * len(per_pos_after)
     gaps.sort()
-    return {"tok_s": num_tokens / wall, "tokens": num_tokens, "wall_s": wall,
+    return {"tok_s": num_tokens / wall, "tokens": num_tokens, "wall_s": wall, "steps": num_steps,
+            "emitting_steps_per_request": statistics.mean(emitting.values()) if emitting else None,
+            "tokens_per_request": num_tokens / len(emitting) if emitting else None,
             "accept_len": 1 + accepted / drafts if drafts else None,
             "draft_tokens": after.spec_num_draft_tokens - before.spec_num_draft_tokens,
             "per_pos": ([round((a - b) / drafts, 3) for a, b in zip(per_pos_after, per_pos_before, strict=False)]
@@ -145,7 +150,11 @@ def main() -> None:
         for concurrency in map(int, args.concurrency.split(",")):
             subset = prompts[:6] if concurrency == 1 else prompts[: concurrency * args.waves]
             for round_index in range(args.rounds):
-                for name, engine in engines.items():
+                # Every other round runs the configurations in reverse, so each runs as often first as
+                # last (the second engine of a process ran slower: BENCHMARKS "order effect").
+                names = list(engines) if round_index % 2 == 0 else list(engines)[::-1]
+                for name in names:
+                    engine = engines[name]
                     result = run(engine, subset, concurrency, args.max_tokens)
                     result.update(workload=workload, concurrency=concurrency, config=name, round=round_index,
                                   num_prompts=len(subset))
@@ -161,8 +170,9 @@ def main() -> None:
 
 def summarize(results: list[dict]) -> str:
     """A markdown table: median over rounds, each config's tok/s as a ratio of off in the same cell."""
-    rows = ["| workload | conc | config | tok/s | x off | accept len | per pos | ITL p50 ms | ITL p99 ms |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = [("| workload | conc | config | tok/s | x off | accept len | per pos | ITL p50 ms | ITL p99 ms | steps "
+            "| steps emitting / request | tokens / request |"),
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     cells: dict[tuple, list[dict]] = {}
     for r in results:
         cells.setdefault((r["workload"], r["concurrency"], r["config"]), []).append(r)
@@ -172,7 +182,8 @@ def summarize(results: list[dict]) -> str:
         last = runs[-1]
         fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
         rows.append(f"| {workload} | {conc} | {name} | {tok_s:.1f} | {tok_s / off:.2f} | {fmt(last['accept_len'])} "
-                    f"| {last['per_pos']} | {fmt(last['itl_p50_ms'])} | {fmt(last['itl_p99_ms'])} |")
+                    f"| {last['per_pos']} | {fmt(last['itl_p50_ms'])} | {fmt(last['itl_p99_ms'])} | {last['steps']} "
+                    f"| {fmt(last['emitting_steps_per_request'])} | {fmt(last['tokens_per_request'])} |")
     return "\n".join(rows)
 
 

@@ -155,6 +155,50 @@ def test_amx_decode_attention_matches_reference(native_kernels, heads, kv_heads,
     _check_decode_attention(native_kernels, torch.bfloat16, heads, kv_heads, head_dim, block_size, window)
 
 
+def _grouped_rows(block_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Block tables and lengths as a step with speculative verifies lays them out: each request's
+    rows in a run sharing its table (a verify's k + 1 rows see one more key each; a chunk read in
+    place, longer than one group), lone decodes between, and two requests that share their first
+    block (a prefix hit) but not the next, whose rows read the same blocks only up to it."""
+    requests = [(40, 5), (3, 1), (130, 3), (16, 20), (70, 2), (0, 1), (47, 4)]  # (context, rows)
+    width = -(-max(c + r for c, r in requests) // block_size) + 1
+    num_blocks = 2 * len(requests) * width + 1
+    blocks = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables, lens = [], []
+    for context, rows in requests:
+        table = [blocks.pop() for _ in range(width)]
+        tables += [table] * rows
+        lens += range(context + 1, context + rows + 1)
+    shared = [tables[-1][0]] + [blocks.pop() for _ in range(width - 1)]  # a prefix hit on the last request's block 0
+    tables += [shared] * 2
+    lens += [block_size, block_size + 1]  # the first reads only the shared block, the second one more
+    tables.append(tables[0])  # a row of the first request again, not next to it, with fewer keys
+    lens.append(2)
+    return torch.tensor(tables, dtype=torch.long), torch.tensor(lens, dtype=torch.long), num_blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@_ATTENTION_SHAPES
+def test_paged_decode_attention_reads_shared_blocks_once_per_group(kernels, dtype, heads, kv_heads, head_dim,
+                                                                   block_size, window):
+    """Rows that read through the same blocks (a verify's k + 1 rows) are attended as one group
+    where the build's path groups them: each row still sees exactly its own keys (its length,
+    its window), against the per-row reference, in every build."""
+    gen = torch.Generator().manual_seed(1)
+    tables, lens, num_blocks = _grouped_rows(block_size, gen)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    kernels.set_amx(False)
+    try:
+        kernels.paged_decode_attention(out, q, cache[0], cache[1], tables, lens, head_dim ** -0.5, window,
+                                       NO_TREE, NO_TREE)
+    finally:
+        kernels.set_amx(True)
+    expected = _reference_decode(q, cache[0], cache[1], tables, lens, head_dim ** -0.5, window)
+    torch.testing.assert_close(out, expected, **_tolerance(dtype))
+
+
 def test_paged_decode_attention_rejects_bad_input(kernels):
     q = torch.zeros(2, 4, 64)
     cache = torch.zeros(3, 16, 2, 64)

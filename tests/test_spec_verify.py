@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from threefold.kernels import cpu_kernels
 from threefold.sample.metadata import SamplingMetadata, TokenCounts
 from threefold.sample.params import SamplingParams
 from threefold.sample.sampler import Sampler
-from threefold.spec.verify import verify_chains
+from threefold.spec.verify import raw_argmax_decides, verify_chains
 
 VOCAB = 8
 
@@ -108,3 +109,26 @@ def test_seeded_rows_repeat():
     runs = [verify_chains(logits, [[1, 2]], [params], [0], [None], {0: torch.Generator().manual_seed(7)}, [0])
             for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_fast_path_takes_the_raw_argmax_first_on_ties(dtype):
+    """Greedy rows with nothing to process are verified from the raw logits' argmax, in their own
+    dtype (bf16: no float32 copy), through the native row argmax where it is built: the same
+    tokens as argmax row by row, the first index winning a tie (small integer logits tie often)."""
+    kernels = cpu_kernels()
+    argmax = None if kernels is None else Sampler(kernels).argmax
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=0.0, min_tokens=2)  # past min_tokens: the raw argmax decides
+    assert raw_argmax_decides([params], [2]) and not raw_argmax_decides([params], [1])
+    for _ in range(50):
+        drafts = [torch.randint(0, VOCAB, (k,), generator=gen).tolist() for k in (4, 0, 2, 1)]
+        logits = torch.randint(0, 3, (sum(len(d) + 1 for d in drafts), VOCAB), generator=gen).to(dtype)
+        result = verify_chains(logits, drafts, [params] * 4, [2] * 4, [None] * 4, {}, [0], argmax)
+        row = 0
+        for i, draft in enumerate(drafts):
+            best = logits[row : row + len(draft) + 1].float().argmax(-1).tolist()
+            accepted = next((j for j, token in enumerate(draft) if token != best[j]), len(draft))
+            assert result.token_ids[i] == [*draft[:accepted], best[accepted]]
+            assert result.num_accepted[i] == accepted
+            row += len(draft) + 1

@@ -86,72 +86,134 @@ inline std::vector<int64_t> split_by_cost(const int64_t* lens, int64_t num_seqs,
   return bounds;
 }
 
+// Query groups: runs of consecutive rows that read their keys through the same blocks (a
+// speculative verify's k+1 rows, a candidate tree's rows, a prefill chunk's rows read in place).
+// Row b joins the group of row `first` when their block tables agree over every block row b
+// reads; the group then reads each K and V row once for all its rows, through row `first`'s
+// table (which holds, for each key a member reads, the member's own block). Returns the groups'
+// first rows, then num_seqs.
+inline std::vector<int64_t> query_groups(const int64_t* tables, const int64_t* lens, int64_t num_seqs,
+                                         int64_t width, int64_t block_size, int64_t max_rows) {
+  std::vector<int64_t> starts{0};
+  for (int64_t b = 1; b < num_seqs; ++b) {
+    const int64_t first = starts.back();
+    const int64_t blocks = std::min(width, (lens[b] + block_size - 1) / block_size);
+    const bool joins = b - first < max_rows &&
+                       std::equal(tables + b * width, tables + b * width + blocks, tables + first * width);
+    if (!joins) starts.push_back(b);
+  }
+  starts.push_back(num_seqs);
+  return starts;
+}
+
+constexpr int64_t kMaxGroupRows = 16;  // a verify's k+1 rows, or a tree's, per group (scores stay small)
+
 // mask: candidate-tree rows (kernel_common.h's TreeMask; inactive for plain decodes).
+// Work item = (query group, kv head): every row of the group and its G heads score each K row it
+// loads, then accumulate each V row it loads (a lone decode is a group of one).
 template <int D, typename T>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
          const threefold::TreeMask& mask = {}) {
   const DecodeArgs<T> a(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
-  const std::vector<int64_t> bounds = split_by_cost(a.lens, a.num_seqs, a.num_kv_heads, window, 16);
+  const std::vector<int64_t> groups =
+      query_groups(a.tables, a.lens, a.num_seqs, a.table_width, a.block_size, kMaxGroupRows);
+  const int64_t num_groups = static_cast<int64_t>(groups.size()) - 1;
+  // split_by_cost over groups: a group costs the keys its rows read (its "length" below).
+  std::vector<int64_t> group_cost(num_groups);
+  for (int64_t gi = 0; gi < num_groups; ++gi) {
+    int64_t cost = 0;
+    for (int64_t b = groups[gi]; b < groups[gi + 1]; ++b) cost += window > 0 ? std::min(a.lens[b], window) : a.lens[b];
+    group_cost[gi] = cost;
+  }
+  const std::vector<int64_t> bounds = split_by_cost(group_cost.data(), num_groups, a.num_kv_heads, 0, 16);
   const int64_t num_parts = static_cast<int64_t>(bounds.size()) - 1;
+  const int64_t gd = a.group * a.head_dim;
 
   at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
-    std::vector<float> qf(a.group * a.head_dim), acc(a.group * a.head_dim), row(a.head_dim), scores;
+    std::vector<float> qf, acc, row(a.head_dim), scores, inv_sum;
     for (int64_t item = bounds[part_begin]; item < bounds[part_end]; ++item) {
-      const int64_t b = item / a.num_kv_heads, kvh = item % a.num_kv_heads;
-      const int64_t len = a.lens[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - first;
-      const int64_t* table = a.tables + b * a.table_width;
-      const int64_t tree_start = mask.start(b, len);  // keys from here on: the tree mask decides
-      auto hidden = [&](int64_t t) { return t + first >= tree_start && !mask.visible(b, tree_start, t + first); };
-      for (int64_t g = 0; g < a.group; ++g) {
-        const T* src = a.q_ptr + b * a.q_seq + (kvh * a.group + g) * a.q_head;
-        for (int64_t i = 0; i < a.head_dim; ++i) qf[g * a.head_dim + i] = to_float(src[i]) * a.fscale;
+      const int64_t gi = item / a.num_kv_heads, kvh = item % a.num_kv_heads;
+      const int64_t b0 = groups[gi], rows = groups[gi + 1] - b0;
+      // Row r of the group sees keys [first_r, len_r), and of its tree keys only those its bits allow.
+      int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t len = a.lens[b0 + r];
+        lo = std::min(lo, window > 0 ? std::max<int64_t>(0, len - window) : 0);
+        hi = std::max(hi, len);
       }
-      // body(t, row) for the keys t = 0..n-1 (positions first..len-1), walking the block
-      // table once: no division per row.
+      const int64_t n = hi - lo;
+      const int64_t* table = a.tables + b0 * a.table_width;
+      auto sees = [&](int64_t r, int64_t pos) {
+        const int64_t b = b0 + r, len = a.lens[b];
+        if (pos >= len || (window > 0 && pos < len - window)) return false;
+        const int64_t tree_start = mask.start(b, len);
+        return pos < tree_start || mask.visible(b, tree_start, pos);
+      };
+      qf.resize(rows * gd);
+      acc.assign(rows * gd, 0.f);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < a.group; ++g) {
+          const T* src = a.q_ptr + (b0 + r) * a.q_seq + (kvh * a.group + g) * a.q_head;
+          for (int64_t i = 0; i < a.head_dim; ++i) qf[(r * a.group + g) * a.head_dim + i] = to_float(src[i]) * a.fscale;
+        }
+      }
+      // body(t, row) for the keys t = 0..n-1 (positions lo..hi-1), walking the block table once:
+      // no division per row.
       auto for_each_row = [&](const T* cache, auto&& body) {
-        for (int64_t pos = first; pos < len;) {
+        for (int64_t pos = lo; pos < hi;) {
           const int64_t blk = pos / a.block_size;
-          const int64_t end_in_block = std::min(a.block_size, len - blk * a.block_size);
+          const int64_t end_in_block = std::min(a.block_size, hi - blk * a.block_size);
           const T* base = cache + table[blk] * a.kv_block + kvh * a.kv_head;
           for (int64_t off = pos - blk * a.block_size; off < end_in_block; ++off, ++pos) {
-            body(pos - first, base + off * a.kv_token);
+            body(pos - lo, base + off * a.kv_token);
           }
         }
       };
-      scores.assign(a.group * n, 0.f);
-      // Pass 1: scores[g, t] for every key, each K row loaded (and widened) once for the G heads.
+      // scores[(r, g), t]: each K row loaded (and widened) once for the group's rows and heads.
+      const int64_t num_scores = rows * a.group;
+      scores.resize(num_scores * n);
       for_each_row(a.k_ptr, [&](int64_t t, const T* krow) {
-        if (hidden(t)) {
-          for (int64_t g = 0; g < a.group; ++g) scores[g * n + t] = threefold::kHiddenScore;
-          return;
+        bool widened = false;
+        for (int64_t r = 0; r < rows; ++r) {
+          float* s = scores.data() + r * a.group * n + t;
+          if (!sees(r, t + lo)) {
+            for (int64_t g = 0; g < a.group; ++g) s[g * n] = threefold::kHiddenScore;
+            continue;
+          }
+          if (!widened) widen<D>(krow, row.data(), a.head_dim), widened = true;
+          for (int64_t g = 0; g < a.group; ++g) s[g * n] = dot<D>(qf.data() + (r * a.group + g) * a.head_dim, row.data(), a.head_dim);
         }
-        widen<D>(krow, row.data(), a.head_dim);
-        for (int64_t g = 0; g < a.group; ++g) scores[g * n + t] = dot<D>(qf.data() + g * a.head_dim, row.data(), a.head_dim);
       });
-      // Softmax per head in fp32; the 1 / sum is folded into the output.
-      std::vector<float> inv_sum(a.group);
-      for (int64_t g = 0; g < a.group; ++g) {
-        float* s = scores.data() + g * n;
+      // Softmax per (row, head) in fp32; the 1 / sum is folded into the output.
+      inv_sum.resize(num_scores);
+      for (int64_t rg = 0; rg < num_scores; ++rg) {
+        float* s = scores.data() + rg * n;
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
         float sum = 0.f;
         for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - mx);  // vectorized (libmvec)
         for (int64_t t = 0; t < n; ++t) sum += s[t];
-        inv_sum[g] = 1.f / sum;
+        inv_sum[rg] = 1.f / sum;
       }
-      // Pass 2: acc[g] = sum_t p[g, t] * V[t], each V row loaded once.
-      std::fill(acc.begin(), acc.end(), 0.f);
+      // acc[(r, g)] = sum_t p[(r, g), t] * V[t], each V row loaded once.
       for_each_row(a.v_ptr, [&](int64_t t, const T* vrow) {
-        if (hidden(t)) return;
-        widen<D>(vrow, row.data(), a.head_dim);
-        for (int64_t g = 0; g < a.group; ++g) axpy<D>(scores[g * n + t], row.data(), acc.data() + g * a.head_dim, a.head_dim);
+        bool widened = false;
+        for (int64_t r = 0; r < rows; ++r) {
+          if (!sees(r, t + lo)) continue;
+          if (!widened) widen<D>(vrow, row.data(), a.head_dim), widened = true;
+          for (int64_t g = 0; g < a.group; ++g) {
+            const int64_t rg = r * a.group + g;
+            axpy<D>(scores[rg * n + t], row.data(), acc.data() + rg * a.head_dim, a.head_dim);
+          }
+        }
       });
-      for (int64_t g = 0; g < a.group; ++g) {
-        T* dst = a.out_ptr + b * a.o_seq + (kvh * a.group + g) * a.o_head;
-        for (int64_t i = 0; i < a.head_dim; ++i) dst[i] = static_cast<T>(acc[g * a.head_dim + i] * inv_sum[g]);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < a.group; ++g) {
+          const int64_t rg = r * a.group + g;
+          T* dst = a.out_ptr + (b0 + r) * a.o_seq + (kvh * a.group + g) * a.o_head;
+          for (int64_t i = 0; i < a.head_dim; ++i) dst[i] = static_cast<T>(acc[rg * a.head_dim + i] * inv_sum[rg]);
+        }
       }
     }
   });

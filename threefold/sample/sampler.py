@@ -51,7 +51,7 @@ class Sampler:
         # Raw logprobs come from the untouched distribution (vLLM v1 "raw_logprobs").
         raw_logprobs = None if meta.max_num_logprobs is None else logits.float().log_softmax(-1)
         if meta.all_greedy and not meta.min_tokens_mask and not meta.has_penalties:
-            sampled = self._argmax(logits)  # nothing edits the logits: no copy
+            sampled = self.argmax(logits)  # nothing edits the logits: no copy
         else:
             # Work on a float32 copy: the transforms below edit in place, the caller's logits stay intact.
             logits = logits.to(torch.float32, copy=True)  # [N, V]
@@ -65,12 +65,12 @@ class Sampler:
 
     def _sample(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
         if meta.all_greedy:  # a batch is never empty here, so all_greedy excludes all_random
-            return self._argmax(logits)
-        greedy = None if meta.all_random else self._argmax(logits)
+            return self.argmax(logits)
+        greedy = None if meta.all_random else self.argmax(logits)
         sampled = self._sample_random(logits, meta)
         return sampled if greedy is None else torch.where(meta.temperature == 0.0, greedy, sampled)
 
-    def _argmax(self, logits: Tensor) -> Tensor:
+    def argmax(self, logits: Tensor) -> Tensor:
         """Row argmax, the first index on ties like torch.argmax."""
         if self.kernels is not None and logits.device.type == "cpu" and logits.stride(-1) == 1:
             return self.kernels.argmax_rows(logits)

@@ -110,6 +110,8 @@ class SpecDecoder:
             tokens_for_depth=config.tree_tokens_by_depth())
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
         self.accepted_per_request: dict[str, int] = {}
+        self.argmax: Callable[[Tensor], Tensor] | None = None
+        """The row argmax verifying greedy rows uses (the runner's Sampler's native one); None: torch's."""
         self.deferred: set[str] = set()
         """The last propose()'s candidates that may draft but got k = 0: the proposer did not see their
         hidden rows, so the caller keeps those for their next call (EAGLE's context has no gaps)."""
@@ -153,7 +155,8 @@ class SpecDecoder:
     def verify(self, request_ids: list[str], logits: Tensor, drafts: list[list[int]], params: list[SamplingParams],
                num_output_tokens: list[int], token_counts: list, generators: dict[int, torch.Generator],
                eos_token_ids: list[int]) -> VerifyResult:
-        result = verify_chains(logits, drafts, params, num_output_tokens, token_counts, generators, eos_token_ids)
+        result = verify_chains(logits, drafts, params, num_output_tokens, token_counts, generators, eos_token_ids,
+                               self.argmax)
         for rid, draft, accepted in zip(request_ids, drafts, result.num_accepted, strict=False):
             self.stats.observe(len(draft), accepted)
             self.accepted_per_request[rid] = self.accepted_per_request.get(rid, 0) + accepted
@@ -164,7 +167,8 @@ class SpecDecoder:
     def verify_trees(self, request_ids: list[str], logits: Tensor, drafts: list[Draft], params: list[SamplingParams],
                      num_output_tokens: list[int], token_counts: list, generators: dict[int, torch.Generator],
                      eos_token_ids: list[int]) -> TreeVerifyResult:
-        result = verify_trees(logits, drafts, params, num_output_tokens, token_counts, generators, eos_token_ids)
+        result = verify_trees(logits, drafts, params, num_output_tokens, token_counts, generators, eos_token_ids,
+                              self.argmax)
         for rid, draft, accepted in zip(request_ids, drafts, result.num_accepted, strict=False):
             self.stats.observe(len(draft.token_ids), accepted)
             self.accepted_per_request[rid] = self.accepted_per_request.get(rid, 0) + accepted

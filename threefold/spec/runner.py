@@ -66,31 +66,43 @@ class SpecRunner:
     def sample(self, batch, hidden: Tensor, spec_tokens: dict[str, list[int]],
                plain_sample: Callable[[Any, Tensor], ModelRunnerOutput],
                trees: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
-        """trees: scheduled_trees(spec_tokens); those requests' drafts are verified as trees and their
-        accepted paths left in self.paths for the runner to keep."""
+        """plain_sample(batch, logits): the runner's sampler over the logits of batch.sample_rows.
+        trees: scheduled_trees(spec_tokens); those requests' drafts are verified as trees and their
+        accepted paths left in self.paths for the runner to keep.
+
+        One LM-head call scores every sampled row, the plain requests' and the verify rows (a
+        second call would stream the LM head's weights again), in the model dtype: greedy rows
+        are decided by their argmax there, as the plain sampler does."""
         self.paths = {}
-        verifying = [i for i, s in enumerate(batch.sampling_states) if spec_tokens.get(s.request_id)]
-        if not verifying:
-            return plain_sample(batch, hidden)
-        plain = [i for i in range(len(batch.sampling_states)) if i not in set(verifying)]
-        output = plain_sample(dataclasses.replace(
-            batch, sample_rows=[batch.sample_rows[i] for i in plain],
-            sampling_states=[batch.sampling_states[i] for i in plain]), hidden)
+        states = batch.sampling_states
+        verifying = {i for i, s in enumerate(states) if spec_tokens.get(s.request_id)}
+        plain = [i for i in range(len(states)) if i not in verifying]
         trees = trees or {}
-        for is_tree in (False, True):
-            members = [i for i in verifying if (batch.sampling_states[i].request_id in trees) == is_tree]
+        groups = [[i for i in sorted(verifying) if (states[i].request_id in trees) == is_tree]
+                  for is_tree in (False, True)]
+        # Each verifying request's k + 1 rows: its last real token's, then its drafts'.
+        last = batch.sample_rows
+        row_lists = [[last[i] for i in plain]] + [
+            [r for i in members for r in range(last[i] - len(spec_tokens[states[i].request_id]), last[i] + 1)]
+            for members in groups]
+        rows = [r for rows in row_lists for r in rows]
+        if not rows:
+            return ModelRunnerOutput({})
+        logits = self.model.compute_logits(hidden[rows], float32=False)  # [rows, vocab]
+        plain_logits, *verify_logits = logits.split([len(r) for r in row_lists])
+        output = plain_sample(dataclasses.replace(batch, sample_rows=[batch.sample_rows[i] for i in plain],
+                                                  sampling_states=[states[i] for i in plain]), plain_logits)
+        for members, member_logits in zip(groups, verify_logits, strict=True):
             if members:
-                self._verify(batch, hidden, members, spec_tokens, trees, output)
+                self._verify(batch, member_logits, members, spec_tokens, trees, output)
         return output
 
-    def _verify(self, batch, hidden: Tensor, members: list[int], spec_tokens: dict[str, list[int]],
+    def _verify(self, batch, logits: Tensor, members: list[int], spec_tokens: dict[str, list[int]],
                 trees: dict[str, list[int]], output: ModelRunnerOutput) -> None:
-        """Verify the chains, or the trees, of the sampling states `members` into `output`."""
+        """Verify the chains, or the trees, of the sampling states `members` into `output`, from
+        their rows' logits [sum(k + 1), vocab] (model dtype)."""
         states = [batch.sampling_states[i] for i in members]
         chains = [spec_tokens[s.request_id] for s in states]
-        rows = [r for i, d in zip(members, chains, strict=False) for r in range(batch.sample_rows[i] - len(d),
-                                                                  batch.sample_rows[i] + 1)]
-        logits = self.model.compute_logits(hidden[rows])  # [sum(k + 1), vocab] float32
         generators = {n: s.generator for n, s in enumerate(states) if s.generator is not None}
         args = ([s.params for s in states], [s.num_output_tokens for s in states], [s.penalties for s in states],
                 generators, self.eos_token_ids)
@@ -175,7 +187,7 @@ class SpecRunner:
 
 def _logprobs(logits: Tensor, emitted: list[int], num_top: int) -> list[TokenLogprobs]:
     """Raw logprobs (the model's own distribution) of each emitted token, as the Sampler returns."""
-    logprobs = logits[: len(emitted)].log_softmax(-1)
+    logprobs = logits[: len(emitted)].float().log_softmax(-1)
     tensors = compute_logprobs_tensors(logprobs, num_top, torch.tensor(emitted, device=logits.device))
     return [TokenLogprobs(tensors.token_ids[i, : num_top + 1].tolist(), tensors.logprobs[i, : num_top + 1].tolist(),
                           int(tensors.ranks[i])) for i in range(len(emitted))]

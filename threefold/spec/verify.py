@@ -13,6 +13,7 @@ with top-k, top-p, min-p, temperature and penalties all applied.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -30,6 +31,20 @@ class VerifyResult(NamedTuple):
     token_ids: list[list[int]]
     """Per request: the accepted drafts, then the target's correction or bonus token."""
     num_accepted: list[int]
+
+
+def raw_argmax_decides(params: list[SamplingParams], num_output_tokens: list[int]) -> bool:
+    """Whether every row's token is the argmax of its raw logits: greedy requests with no penalty,
+    past min_tokens (drafts only add output, so later rows are past it too). Then a verify needs
+    no processed copy of its rows, only their argmax."""
+    return all(p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+               and n >= p.min_tokens for p, n in zip(params, num_output_tokens, strict=True))
+
+
+def argmax_list(logits: Tensor, argmax: Callable[[Tensor], Tensor] | None = None) -> list[int]:
+    """Each row's argmax (first index on ties, as torch.argmax), through `argmax` when given (the
+    Sampler's native row argmax), in the logits' own dtype: no float32 copy."""
+    return (logits.argmax(-1) if argmax is None else argmax(logits)).tolist()
 
 
 def processed_probs(logits: Tensor, meta: SamplingMetadata) -> Tensor:
@@ -81,9 +96,13 @@ def _with_tokens(counts: TokenCounts, token_ids: list[int]) -> TokenCounts:
 
 def verify_chains(logits: Tensor, drafts: list[list[int]], params: list[SamplingParams],
                   num_output_tokens: list[int], token_counts: list[TokenCounts | None],
-                  generators: dict[int, torch.Generator], eos_token_ids: list[int]) -> VerifyResult:
+                  generators: dict[int, torch.Generator], eos_token_ids: list[int],
+                  argmax: Callable[[Tensor], Tensor] | None = None) -> VerifyResult:
     """logits [sum(k_i + 1), V]; token_counts: each request's penalty counts (None without a
-    penalty); generators: request index -> its seeded generator."""
+    penalty); generators: request index -> its seeded generator; argmax: a row argmax for the
+    greedy fast path (raw_argmax_decides), default torch's."""
+    if raw_argmax_decides(params, num_output_tokens):
+        return _accept_argmax(argmax_list(logits, argmax), drafts)
     meta = row_metadata(drafts, params, num_output_tokens, token_counts, eos_token_ids, logits.shape[-1],
                         logits.device)
     probs = processed_probs(logits, meta)  # [R, V]
@@ -111,6 +130,22 @@ def verify_chains(logits: Tensor, drafts: list[list[int]], params: list[Sampling
     return VerifyResult(token_ids, num_accepted)
 
 
+def _accept_argmax(best: list[int], drafts: list[list[int]]) -> VerifyResult:
+    """Greedy acceptance from each row's argmax: drafts up to the first that is not its row's
+    argmax, then that row's argmax (the correction, or the bonus after the last draft)."""
+    result = VerifyResult([], [])
+    offset = 0
+    for draft in drafts:
+        rows = best[offset : offset + len(draft) + 1]
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == rows[accepted]:
+            accepted += 1
+        result.token_ids.append([*draft[:accepted], rows[accepted]])
+        result.num_accepted.append(accepted)
+        offset += len(draft) + 1
+    return result
+
+
 class TreeVerifyResult(NamedTuple):
     token_ids: list[list[int]]
     """Per request: the accepted path's tokens, then the target's correction or bonus token."""
@@ -129,10 +164,21 @@ def tree_prefixes(draft: Draft) -> list[list[int]]:
 
 def verify_trees(logits: Tensor, drafts: list[Draft], params: list[SamplingParams], num_output_tokens: list[int],
                  token_counts: list[TokenCounts | None], generators: dict[int, torch.Generator],
-                 eos_token_ids: list[int]) -> TreeVerifyResult:
+                 eos_token_ids: list[int], argmax: Callable[[Tensor], Tensor] | None = None) -> TreeVerifyResult:
     """logits [sum(N_i + 1), V]: each request's root row, then one row per node in node order.
     Each row's distribution is processed as the Sampler would after its path (penalties, min_tokens);
     greedy rows follow the argmax down the tree, sampled rows the exact tree rule (spec/tree.py)."""
+    if raw_argmax_decides(params, num_output_tokens):  # the raw rows' argmax, no processed copy
+        best = argmax_list(logits, argmax)
+        result = TreeVerifyResult([], [], [])
+        offset = 0
+        for draft in drafts:
+            path, token = accept_greedy(draft, best[offset : offset + len(draft.token_ids) + 1])
+            offset += len(draft.token_ids) + 1
+            result.token_ids.append([*(draft.token_ids[n] for n in path), token])
+            result.num_accepted.append(len(path))
+            result.paths.append(path)
+        return result
     prefixes = [tree_prefixes(d) for d in drafts]
     meta = prefix_metadata(prefixes, params, num_output_tokens, token_counts, eos_token_ids, logits.shape[-1],
                            logits.device)

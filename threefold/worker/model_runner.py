@@ -68,6 +68,8 @@ class ModelRunner:
         self.spec = None if speculative_config is None else SpecRunner.build(
             speculative_config, loaded, max_model_len or loaded.max_model_len)
         """Speculative decoding's half of the runner (verify + propose), or None."""
+        if self.spec is not None:
+            self.spec.decoder.argmax = self.sampler.argmax
         self.offload: KVOffload | None = None
         """The KV offload tiers' load/store (set by the engine once the pool exists), or None."""
         self.prompt_logprobs_observer: Callable[[str, int, torch.Tensor], None] | None = None
@@ -124,7 +126,7 @@ class ModelRunner:
             output = self._sample(batch, hidden)
         else:
             spec_tokens = sched.scheduled_spec_token_ids
-            output = self.spec.sample(batch, hidden, spec_tokens, self._sample, trees)
+            output = self.spec.sample(batch, hidden, spec_tokens, self._sample_logits, trees)
             for rid, path in self.spec.paths.items():  # the accepted path's K/V stay, in sequence order
                 state = self.requests.states[rid]
                 keep_path(self.kv_cache, self.requests.block_table, state.row, state.num_computed_tokens, path)
@@ -159,7 +161,12 @@ class ModelRunner:
         if not batch.sampling_states:
             return ModelRunnerOutput({})
         # [N, vocab] in the model dtype: a greedy batch takes its max there (bf16: ~4x less to read).
-        logits = self.model.compute_logits(hidden[batch.sample_rows], float32=False)
+        return self._sample_logits(batch, self.model.compute_logits(hidden[batch.sample_rows], float32=False))
+
+    def _sample_logits(self, batch: StepBatch, logits: torch.Tensor) -> ModelRunnerOutput:
+        """One token for each of batch.sampling_states from its row of logits [N, vocab]."""
+        if not batch.sampling_states:
+            return ModelRunnerOutput({})
         states = batch.sampling_states
         meta = SamplingMetadata.build(
             [s.params for s in states], [s.num_output_tokens for s in states], [s.penalties for s in states],
