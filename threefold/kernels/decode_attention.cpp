@@ -78,7 +78,7 @@ void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at
       if (q.size(2) == 128) return amx::run<128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
     }
 #endif
-#if defined(THREEFOLD_AVX2) && !defined(THREEFOLD_AVX512)
+#if defined(THREEFOLD_AVX2) && !defined(THREEFOLD_AMX)  // (AVX-512 without AMX too: decode_attention_avx2.h)
     if (q.size(2) == 64)
       return bf16 ? avx2::run<64, at::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window)
                   : avx2::run<64, float>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
