@@ -17,7 +17,6 @@ Process-wide, so set once, only where the store runs, and never over a user's ow
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import logging
 import os
@@ -43,9 +42,8 @@ def keep_heap_mapped() -> bool:
             or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         logger.debug("malloc: the environment sets its own; left as it is")
         return False
-    name = ctypes.util.find_library("c")
     try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own symbols: libc's, wherever it lies
     except (OSError, AttributeError):
         mallopt = None
     if mallopt is None:  # not glibc (musl, macOS): nothing to tune
