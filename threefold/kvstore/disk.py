@@ -327,18 +327,6 @@ class DiskTier(Tier):
         with self._lock:
             return self._index.get(key) is not loc or loc[0].generations[loc[1]] != generation
 
-    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        values: list[bytes | None] = []
-        for key in keys:
-            try:
-                values.append(self.get(key))
-            except FrameError as bad:
-                values.append(bad)  # type: ignore[arg-type]  # Tier.get_many's contract: a bad value in place
-            except TierFault as fault:
-                fault.partial = values
-                raise
-        return values
-
     def put(self, key: bytes, value: bytes) -> bool:
         return self.put_record(key, memoryview(value))
 

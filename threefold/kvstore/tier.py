@@ -13,10 +13,8 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from threefold.kvstore.frame import RecordBuffer
+from threefold.kvstore.frame import FrameError, RecordBuffer
 
 
 class TierFault(Exception):
@@ -47,11 +45,13 @@ class Tier(ABC):
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
         """One answer per key, in order (a remote tier in one round trip). A fault raises TierFault with
         the answers before it in `partial`. A tier that checks its own storage around a record (the disk
-        tier's slot header) puts the FrameError in place of a value it found bad."""
+        tier's slot header) raises FrameError from `get`; the bad value's place then holds the FrameError."""
         values: list[bytes | None] = []
         for key in keys:
             try:
                 values.append(self.get(key))
+            except FrameError as bad:
+                values.append(bad)  # type: ignore[arg-type]  # the store counts it and deletes the block
             except TierFault as fault:
                 fault.partial = values
                 raise
