@@ -29,7 +29,7 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -50,6 +50,34 @@ class StepPoint:
     context: int
     seconds: float
     prompts: int = 1
+
+
+LONG_PREFILL = 512
+"""New tokens in a step from which a prefill counts as long: the steps that make TTFT's tail (`drift`
+reports them apart; a step-log fit needs some, sim/step_fit.py)."""
+
+
+class StepTerms(NamedTuple):
+    """What the engine model prices in a logged step (its shape: (tokens this step, tokens computed
+    before) per request; one token is a decode over its context, more a prefill chunk)."""
+
+    tokens: int
+    prefill: int
+    """Tokens of the prefill chunks."""
+    pairs: int
+    """Attention pairs inside the chunks."""
+    context: int
+    """The decodes' contexts, summed."""
+    prefill_context: int
+    """Each chunk's tokens x the tokens before it, summed."""
+
+
+def step_terms(shape: Iterable[tuple[int, int]]) -> StepTerms:
+    chunks = [(n, before) for n, before in shape if n > 1]
+    decodes = [before for n, before in shape if n == 1]
+    prefill = sum(n for n, _ in chunks)
+    return StepTerms(prefill + len(decodes), prefill, sum(attention_pairs(n) for n, _ in chunks), sum(decodes),
+                     sum(n * before for n, before in chunks))
 
 
 def attention_pairs(chunk: int) -> int:
@@ -97,20 +125,18 @@ class EngineModel:
                 + self.per_prefill_context_s * prefill_context)
 
     def shape_seconds(self, shape: Iterable[tuple[int, int]]) -> float:
-        """A step as the step log records it: (tokens this step, tokens computed before) per request; a
-        request computing one token is a decode over its context, more is a prefill chunk."""
-        decodes = [before for n, before in shape if n == 1]
-        chunks = [(n, before) for n, before in shape if n > 1]
-        return self.step_seconds(len(decodes) + sum(n for n, _ in chunks), sum(decodes),
-                                 sum(n * before for n, before in chunks), sum(attention_pairs(n) for n, _ in chunks))
+        """A step as the step log records it: (tokens this step, tokens computed before) per request."""
+        terms = step_terms(shape)
+        return self.step_seconds(terms.tokens, terms.context, terms.prefill_context, terms.pairs)
 
     def drift(self, steps: Iterable[LoggedStep]) -> dict[str, dict[str, float]]:
         """Measured against modelled seconds of real steps (a replica's `--step-log`), per kind of step:
         how much slower (> 1) or faster the replicas ran than this calibration predicts."""
         kinds: dict[str, list[float]] = {}
         for step in steps:
-            prefill = sum(n for n, _ in step.shape if n > 1)
-            kind = "decode only" if not prefill else "prefill >= 512" if prefill >= 512 else "prefill < 512"
+            prefill = step_terms(step.shape).prefill
+            kind = ("decode only" if not prefill else f"prefill >= {LONG_PREFILL}" if prefill >= LONG_PREFILL
+                    else f"prefill < {LONG_PREFILL}")
             for name in (kind, "all"):
                 totals = kinds.setdefault(name, [0, 0.0, 0.0])
                 totals[0] += 1

@@ -31,10 +31,8 @@ import numpy as np
 from threefold.engine.step_log import LoggedStep, read_step_log
 from threefold.errors import ThreefoldError
 from threefold.sim.calibrate import PREFILL_TOKENS
-from threefold.sim.engine_model import EngineModel, attention_pairs
+from threefold.sim.engine_model import LONG_PREFILL, EngineModel, attention_pairs, step_terms
 
-LONG_PREFILL = 512
-"""New tokens in a step from which a prefill counts as long (as in `EngineModel.drift`)."""
 MIN_LONG_PREFILLS = 3
 MIN_DECODE_STEPS = 10
 
@@ -63,25 +61,25 @@ def calibrate_from_step_logs(paths: Iterable[str | Path], base: EngineModel | No
     paths = list(paths)
     steps = read_step_logs(paths)
     model = fit_steps(steps, base)
-    largest = max(_shape(step)[0] for step in steps)  # past it the profile is extrapolated
+    largest = max(step_terms(step.shape).tokens for step in steps)  # past it the profile is extrapolated
     return dataclasses.replace(model, source=f"step logs: {', '.join(str(p) for p in paths)} ({len(steps)} steps, "
                                              f"the largest {largest} tokens)")
 
 
 def fit_steps(steps: Sequence[LoggedStep], base: EngineModel | None = None) -> EngineModel:
     """Non-negative least squares of the step cost model over logged steps (see the module's doc)."""
-    shapes = [_shape(step) for step in steps]
-    long = sum(prefill >= LONG_PREFILL for _, prefill, _, _, _ in shapes)
-    decodes = sum(prefill == 0 for _, prefill, _, _, _ in shapes)
+    shapes = [step_terms(step.shape) for step in steps]
+    long = sum(shape.prefill >= LONG_PREFILL for shape in shapes)
+    decodes = sum(shape.prefill == 0 for shape in shapes)
     if long < MIN_LONG_PREFILLS or decodes < MIN_DECODE_STEPS:
         raise ThreefoldError(
             f"the step log has {long} steps with a prefill of {LONG_PREFILL}+ tokens and {decodes} decode-only "
             f"steps; a fit needs at least {MIN_LONG_PREFILLS} and {MIN_DECODE_STEPS} (long prefills make "
             "TTFT's tail and would otherwise be extrapolated): log a replica that served long prompts, or "
             "calibrate with `threefold bench calibrate`", param="calibration_from_step_log")
-    tokens = [n for n, *_ in shapes]
+    tokens = [shape.tokens for shape in shapes]
     knots = _knots(tokens)
-    columns = np.array([[*_ramp(n, knots), pairs, context, prefix] for n, _, pairs, context, prefix in shapes])
+    columns = np.array([[*_ramp(s.tokens, knots), s.pairs, s.context, s.prefill_context] for s in shapes])
     seconds = np.array([step.seconds for step in steps])
     prices = nnls(columns, seconds)
     increments, (attention, per_context, per_prefill) = prices[:len(knots)], prices[len(knots):]
@@ -94,16 +92,6 @@ def fit_steps(steps: Sequence[LoggedStep], base: EngineModel | None = None) -> E
 
 _KEPT = ("block_size", "num_blocks", "dispatch_delay_s", "report_delay_s", "max_num_batched_tokens", "max_num_seqs",
          "model", "cpu")
-
-
-def _shape(step: LoggedStep) -> tuple[int, int, int, int, int]:
-    """(tokens, prefill tokens, attention pairs, decodes' context, prefill x context before) of a step,
-    as `EngineModel.shape_seconds` prices it."""
-    chunks = [(n, before) for n, before in step.shape if n > 1]
-    decodes = [before for n, before in step.shape if n == 1]
-    prefill = sum(n for n, _ in chunks)
-    return (prefill + len(decodes), prefill, sum(attention_pairs(n) for n, _ in chunks), sum(decodes),
-            sum(n * before for n, before in chunks))
 
 
 def _knots(tokens: list[int]) -> list[int]:
