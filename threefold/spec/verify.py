@@ -168,30 +168,23 @@ def verify_trees(logits: Tensor, drafts: list[Draft], params: list[SamplingParam
     """logits [sum(N_i + 1), V]: each request's root row, then one row per node in node order.
     Each row's distribution is processed as the Sampler would after its path (penalties, min_tokens);
     greedy rows follow the argmax down the tree, sampled rows the exact tree rule (spec/tree.py)."""
-    if raw_argmax_decides(params, num_output_tokens):  # the raw rows' argmax, no processed copy
-        best = argmax_list(logits, argmax)
-        result = TreeVerifyResult([], [], [])
-        offset = 0
-        for draft in drafts:
-            path, token = accept_greedy(draft, best[offset : offset + len(draft.token_ids) + 1])
-            offset += len(draft.token_ids) + 1
-            result.token_ids.append([*(draft.token_ids[n] for n in path), token])
-            result.num_accepted.append(len(path))
-            result.paths.append(path)
-        return result
-    prefixes = [tree_prefixes(d) for d in drafts]
-    meta = prefix_metadata(prefixes, params, num_output_tokens, token_counts, eos_token_ids, logits.shape[-1],
-                           logits.device)
-    probs = processed_probs(logits, meta)  # [R, V]
+    raw_best = argmax_list(logits, argmax) if raw_argmax_decides(params, num_output_tokens) else None
+    if raw_best is None:  # else the raw rows' argmax decides every row: no processed copy
+        prefixes = [tree_prefixes(d) for d in drafts]
+        meta = prefix_metadata(prefixes, params, num_output_tokens, token_counts, eos_token_ids, logits.shape[-1],
+                               logits.device)
+        probs = processed_probs(logits, meta)  # [R, V]
     result = TreeVerifyResult([], [], [])
     offset = 0
     for i, draft in enumerate(drafts):
-        rows = probs[offset : offset + len(draft.token_ids) + 1]
-        offset += len(draft.token_ids) + 1
-        if params[i].greedy:
-            path, token = accept_greedy(draft, rows.argmax(-1).tolist())
+        end = offset + len(draft.token_ids) + 1
+        if raw_best is not None:
+            path, token = accept_greedy(draft, raw_best[offset:end])
+        elif params[i].greedy:
+            path, token = accept_greedy(draft, probs[offset:end].argmax(-1).tolist())
         else:
-            path, token = accept_sampling(draft, rows, generators.get(i))
+            path, token = accept_sampling(draft, probs[offset:end], generators.get(i))
+        offset = end
         result.token_ids.append([*(draft.token_ids[n] for n in path), token])
         result.num_accepted.append(len(path))
         result.paths.append(path)
