@@ -197,13 +197,13 @@ def kivi_decode_time(codec, config, length: int, batch: int, dtype: torch.dtype,
     """One layer's decode step over KIVI blocks + windows (the native kernel where it runs: kivi2/kivi4;
     the context is written through the plain-torch path)."""
     from threefold.kv.paged import PagedKVCache
-    from threefold.kv.window import WindowArena, window_dtype
+    from threefold.kv.window import ArenaShape, WindowArena, window_dtype
     from threefold.worker.kivi_attention import KiviAttention, KiviRequest
 
     block_size, kvh, d = codec.group, config.num_kv_heads, config.head_dim
     per_seq = length // block_size + 1
     cache = PagedKVCache(codec, 1, batch * per_seq + 1, block_size, torch.device("cpu"))
-    arena = WindowArena(1, batch, codec.window_tokens(block_size), kvh, d, window_dtype(dtype), torch.device("cpu"))
+    arena = WindowArena(ArenaShape.of([codec], block_size), batch, kvh, d, window_dtype(dtype), torch.device("cpu"))
     requests = []
     for b in range(batch):
         ids = torch.arange(1 + b * per_seq, 1 + (b + 1) * per_seq)

@@ -13,7 +13,7 @@ from threefold.env import Env
 from threefold.kernels import available_targets, build_kernels, cpu_kernels
 from threefold.kv.paged import PagedKVCache
 from threefold.kv.registry import make_codec
-from threefold.kv.window import WindowArena, window_dtype
+from threefold.kv.window import ArenaShape, WindowArena, window_dtype
 from threefold.sample.params import SamplingParams
 from threefold.worker.kivi_attention import KiviAttention, KiviRequest
 
@@ -45,7 +45,8 @@ class Twin:
         self.caches = [PagedKVCache(self.codec, 1, 40, bs, torch.device("cpu")) for _ in range(2)]
         size = self.codec.window_tokens(bs)
         ring_dtype = ring_dtype or window_dtype(dtype)  # the engine's: fp16 windows beside fp32 compute
-        self.arenas = [WindowArena(1, num_requests, size, kvh, d, ring_dtype, torch.device("cpu")) for _ in range(2)]
+        self.arenas = [WindowArena(ArenaShape(1, size), num_requests, kvh, d, ring_dtype, torch.device("cpu"))
+                       for _ in range(2)]
         self.windows = [[arena.acquire(str(i), 0) for i in range(num_requests)] for arena in self.arenas]
         # request i owns blocks 1 + 12 i ..., shuffled so tables are not contiguous
         self.blocks = [torch.randperm(12, generator=torch.Generator().manual_seed(i)) + 1 + 12 * i

@@ -13,7 +13,7 @@ from threefold.kv.codecs.kivi import unpack
 from threefold.kv.paged import PagedKVCache
 from threefold.kv.registry import make_codec
 from threefold.kv.spec import parse_kv_spec
-from threefold.kv.window import WindowArena
+from threefold.kv.window import ArenaShape, WindowArena
 from threefold.sample.params import SamplingParams
 from threefold.worker.kivi_attention import KiviAttention, KiviRequest
 
@@ -153,7 +153,7 @@ def test_window_tokens_are_exact_and_blocks_read_as_compressed():
     kvh, d, heads, bs = 2, 16, 4, 8
     codec = make_codec("gear:group=8,residual=16,rank=2,outliers=40", kvh, d, torch.float32)
     cache = PagedKVCache(codec, 1, 8, bs, torch.device("cpu"))
-    arena = WindowArena(1, 1, codec.window_tokens(bs), kvh, d, torch.float32, torch.device("cpu"))
+    arena = WindowArena(ArenaShape.of([codec], bs), 1, kvh, d, torch.float32, torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
     n = 40
     q, k, v = torch.randn(n, heads, d, generator=gen), torch.randn(n, kvh, d, generator=gen), \

@@ -13,7 +13,7 @@ from threefold.kv.codecs.kivi import unpack
 from threefold.kv.paged import PagedKVCache
 from threefold.kv.registry import make_codec
 from threefold.kv.spec import parse_kv_spec
-from threefold.kv.window import WindowArena, arena_share, window_slots
+from threefold.kv.window import ArenaShape, WindowArena, arena_share, window_slots
 from threefold.worker.kivi_attention import KiviAttention, KiviRequest
 
 
@@ -124,7 +124,7 @@ KVH, D, HEADS, BS = 2, 16, 4, 8
 def _setup(spec, num_blocks=12):
     codec = make_codec(spec, KVH, D, torch.float32)
     cache = PagedKVCache(codec, 1, num_blocks, BS, torch.device("cpu"))
-    arena = WindowArena(1, 1, codec.window_tokens(BS), KVH, D, torch.float32, torch.device("cpu"))
+    arena = WindowArena(ArenaShape.of([codec], BS), 1, KVH, D, torch.float32, torch.device("cpu"))
     return codec, cache, arena
 
 

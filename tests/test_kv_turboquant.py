@@ -152,14 +152,14 @@ def test_fidelity_on_real_smollm2_kv(smollm2_fp32):
 def test_behind_a_window_recent_tokens_are_exact():
     """residual > 0: KIVI's window rules (kv/window.py), blocks read back as `round_trip` gives them."""
     from threefold.kv.paged import PagedKVCache
-    from threefold.kv.window import WindowArena
+    from threefold.kv.window import ArenaShape, WindowArena
     from threefold.worker.kivi_attention import KiviAttention, KiviRequest
 
     kvh, d, heads, bs, n = 2, 16, 4, 8, 40
     codec = make_codec("turboquant:residual=16", kvh, d, torch.float32)
     assert codec.window_tokens(bs) == 24 and make_codec("turboquant", kvh, d, torch.float32).window_tokens(bs) == 0
     cache = PagedKVCache(codec, 1, 8, bs, torch.device("cpu"))
-    arena = WindowArena(1, 1, codec.window_tokens(bs), kvh, d, torch.float32, torch.device("cpu"))
+    arena = WindowArena(ArenaShape.of([codec], bs), 1, kvh, d, torch.float32, torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(n, h, d, generator=gen) for h in (heads, kvh, kvh))
     window, blocks, outs = arena.acquire("r", 0), torch.arange(1, 8), []

@@ -9,9 +9,9 @@ import torch
 from threefold.kv.codecs.kivi import KiviCodec
 from threefold.kv.mix import layer_specs, mix_text
 from threefold.kv.registry import make_codec
-from threefold.kv.window import WindowArena, window_dtype, window_slots
+from threefold.kv.window import ArenaShape, window_dtype, window_slots
 
-SHOWN_CODECS = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "kivi2", "kivi4")
+SHOWN_CODECS = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "kivi2", "kivi4", "tiered")
 
 
 def arch_config(model: str, dtype: str = "auto"):
@@ -39,9 +39,8 @@ def mix_geometry(config, spec: str, block_size: int) -> tuple[int, int, int]:
             for text, s in {str(s): s for s in specs}.items()}  # one codec per distinct spec
     codecs = [made[str(s)] for s in specs]
     block = math.lcm(block_size, *(c.group for c in made.values() if isinstance(c, KiviCodec)))
-    windowed = [c.window_tokens(block) for c in codecs if c.window_tokens(block)]
-    window = WindowArena.bytes_per_slot(len(windowed), max(windowed), config.num_kv_heads, config.head_dim,
-                                        window_dtype(config.dtype)) if windowed else 0
+    arena = ArenaShape.of(codecs, block)
+    window = arena.bytes_per_slot(config.num_kv_heads, config.head_dim, window_dtype(config.dtype))
     return block, sum(c.bytes_per_block(block) for c in codecs), window
 
 

@@ -91,6 +91,14 @@ class KVCodec(ABC, Generic[StorageT]):
         """Full-precision tokens per layer each running request keeps beside its blocks (KIVI's window)."""
         return 0
 
+    def band_tokens(self, block_size: int) -> int:
+        """Low bit planes each running request keeps per layer beside its window (`tiered`'s middle band)."""
+        return 0
+
+    def sink_tokens(self) -> int:
+        """First tokens each running request keeps exact beside its window (`tiered`'s attention sinks)."""
+        return 0
+
     def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [T, kvh, d] as `read` would return them once written (lossless codecs: unchanged)."""
         return k, v

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from threefold.errors import ThreefoldError
-from threefold.kv.mix import is_mix, parse_mix
+from threefold.kv.mix import UNMIXED, is_mix, parse_mix
 from threefold.kv.spec import KVSpec, parse_kv_spec
 
 PREFIX = "guard:"
@@ -57,6 +57,9 @@ def parse_guard(text: str) -> GuardSpec:
         raise ThreefoldError(f"kv_cache_dtype {text!r}: write guard:BASE or guard:BASE>RUNG>... with plain codec "
                              f"specs (e.g. guard:kivi2 or guard:kivi2>kivi4>int8).", param="kv_cache_dtype")
     specs = [parse_kv_spec(p) for p in parts]  # raises for unknown codecs, listing the choices
+    if any(s.name in UNMIXED for s in specs):
+        raise ThreefoldError(f"kv_cache_dtype {text!r}: the guard mixes codecs per layer, and "
+                             f"{', '.join(UNMIXED)} cannot be mixed; use it alone.", param="kv_cache_dtype")
     if len({str(s) for s in specs}) < len(specs):
         raise ThreefoldError(f"kv_cache_dtype {text!r}: a codec appears twice in the ladder.", param="kv_cache_dtype")
     return GuardSpec(specs[0], tuple(specs[1:]) or None)

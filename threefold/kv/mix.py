@@ -16,6 +16,8 @@ from threefold.errors import ThreefoldError
 from threefold.kv.spec import KVSpec, parse_kv_spec
 
 PREFIX = "mix:"
+UNMIXED = ("tiered",)
+"""Codecs that must be every layer's (the guard's ladders and mixes take the others)."""
 
 
 def is_mix(text: str) -> bool:
@@ -61,6 +63,9 @@ def parse_mix(text: str, num_layers: int | None = None) -> list[KVSpec]:
     extra = sorted(set(by_layer) - set(range(expected)))
     if missing or extra:
         raise _error(text, f"the model has {expected} layers; missing {missing[:8]}, unknown {extra[:8]}")
+    if any(s.name in UNMIXED for s in by_layer.values()) and len({str(s) for s in by_layer.values()}) > 1:
+        raise _error(text, f"{', '.join(UNMIXED)} cannot share a cache with other codecs (its per-request "
+                           f"band is sized for every layer); use it alone")
     return [by_layer[layer] for layer in range(expected)]
 
 

@@ -8,6 +8,7 @@ from threefold.kv.codec import DenseCodec, KVCodec
 from threefold.kv.codecs.gear import GearCodec
 from threefold.kv.codecs.kivi import KiviCodec
 from threefold.kv.codecs.scaled import Fp8Codec, Int4Codec, Int8Codec
+from threefold.kv.codecs.tiered import TieredCodec
 from threefold.kv.codecs.turboquant import TurboQuantCodec
 from threefold.kv.spec import KVSpec, parse_kv_spec
 
@@ -21,6 +22,7 @@ CODECS: dict[str, type[KVCodec]] = {
     "kivi4": KiviCodec,
     "gear": GearCodec,
     "turboquant": TurboQuantCodec,
+    "tiered": TieredCodec,
 }
 
 

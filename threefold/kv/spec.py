@@ -72,6 +72,10 @@ SCHEMAS: dict[str, dict[str, Param]] = {
                    "seed": Param(0, range(2 ** 31), "seed of the random signs and the QJL projection"),
                    "residual": Param(0, range(0, 1025, 8), "recent tokens kept in full precision, as KIVI's "
                                                            "window (0: none, every token compressed)")},
+    "tiered": {**_KIVI,
+               "middle": Param(512, range(0, 8193, 8), "tokens behind the window kept at 4 bits (older ones: "
+                                                       "2 bits), a multiple of group"),
+               "sink": Param(4, range(33), "first tokens kept in full precision (attention sinks)")},
 }
 """Every codec's parameters. A new codec adds one line here and one class in kv/codecs."""
 
@@ -100,6 +104,9 @@ def parse_kv_spec(text: str) -> KVSpec:
         raise ThreefoldError(f"kv_cache_dtype {text!r}: residual={spec['residual']} must be a multiple of "
                              f"group={spec['group']} (the window is quantized a whole group at a time).",
                              param="kv_cache_dtype")
+    if "middle" in schema and spec["middle"] % spec["group"]:
+        raise ThreefoldError(f"kv_cache_dtype {text!r}: middle={spec['middle']} must be a multiple of "
+                             f"group={spec['group']} (the band ages a whole group at a time).", param="kv_cache_dtype")
     return spec
 
 

@@ -2,7 +2,9 @@
 (KIVI) keeps in full precision beside its quantized blocks: the model's dtype, fp16 for fp32
 models (`window_dtype`).
 
-    ring   [num_layers, 2, num_slots, size, kvh, d]   position p of a request lives at p % size
+    ring   [num_layers, 2, num_slots, size, kvh, d]        position p of a request lives at p % size
+    band   [num_layers, 2, num_slots, band, kvh, d / 4]    `tiered`: low bit planes, at p % band
+    sinks  [num_layers, 2, num_slots, sink, kvh, d]        `tiered`: the first tokens, exact
 
 One slot per running request, taken when it is first scheduled and given back when it
 finishes or is preempted. The arena is carved from the same kv_cache_memory as the blocks,
@@ -55,13 +57,38 @@ def window_slots(budget: int, bytes_per_slot: int, max_num_seqs: int, plan_bytes
     return slots
 
 
+@dataclass(frozen=True)
+class ArenaShape:
+    """What one running request keeps beside its blocks, per windowed layer (tokens)."""
+
+    layers: int
+    size: int
+    band: int = 0
+    sink: int = 0
+
+    @staticmethod
+    def of(codecs: list, block_size: int) -> ArenaShape:
+        """The arena of a cache whose layers have these codecs (KVCodec); layers 0: no windows."""
+        windowed = [c for c in codecs if c.window_tokens(block_size)]
+        if not windowed:
+            return ArenaShape(0, 0)
+        return ArenaShape(len(windowed), max(c.window_tokens(block_size) for c in windowed),
+                          max(c.band_tokens(block_size) for c in windowed), max(c.sink_tokens() for c in windowed))
+
+    def bytes_per_slot(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return self.layers * 2 * num_kv_heads * ((self.size + self.sink) * head_dim * element
+                                                 + self.band * head_dim // 4)
+
+
 class WindowedCodec(Protocol):
     """A codec read through a window (KIVI, GEAR, turboquant with residual > 0): whole blocks are
     encoded once all their tokens are known, and read back densely (worker/kivi_attention.py)."""
 
     residual: int
 
-    def encode(self, storage: Any, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def encode(self, storage: Any, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        """Write whole blocks; `tiered` returns their low bit planes (K, V), the others None."""
 
     def read_blocks(self, storage: Any, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -76,16 +103,18 @@ class Window:
 
 
 class WindowArena:
-    def __init__(self, num_layers: int, num_slots: int, size: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, shape: ArenaShape, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        self.size = size
-        self.ring = torch.zeros(num_layers, 2, num_slots, size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.size = shape.size
+        self.band_size = shape.band
+        self.ring = torch.zeros(shape.layers, 2, num_slots, shape.size, num_kv_heads, head_dim, dtype=dtype,
+                                device=device)
+        self.band = torch.zeros(shape.layers, 2, num_slots, shape.band, num_kv_heads, head_dim // 4,
+                                dtype=torch.uint8, device=device)
+        self.sinks = torch.zeros(shape.layers, 2, num_slots, shape.sink, num_kv_heads, head_dim, dtype=dtype,
+                                 device=device)
         self.free = list(range(num_slots - 1, -1, -1))
         self.windows: dict[str, Window] = {}
-
-    @staticmethod
-    def bytes_per_slot(num_layers: int, size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * 2 * size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def acquire(self, request_id: str, start: int) -> Window:
         window = self.windows.get(request_id)

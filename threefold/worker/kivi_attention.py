@@ -36,6 +36,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from threefold.kv.codecs.tiered import TieredCodec
 from threefold.kv.paged import PagedKVCache
 from threefold.kv.window import Window, WindowArena, WindowedCodec
 
@@ -43,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 _ROWS = 256
 """Query rows per SDPA call: bounds the [H, rows, keys] scores of a long first chunk."""
+KINDS = ("quantized", "middle", "sink", "exact")
+"""Where a key of the reference path comes from: its block (2 bits for `tiered`: far), `tiered`'s 4-bit
+band, its sinks, or the window (exact)."""
 
 
 @dataclass
@@ -53,6 +57,19 @@ class KiviRequest:
     block_ids: torch.Tensor
     """[num_blocks] covering context + chunk."""
     window: Window
+
+
+@dataclass
+class Written:
+    """What `_write` leaves a request's attention: the exact K/V of positions [lo, ctx + len) and
+    (`tiered`) the low bit planes of positions [band_lo, band_lo + len(k_low))."""
+
+    lo: int
+    k: torch.Tensor
+    v: torch.Tensor
+    band_lo: int = 0
+    k_low: torch.Tensor | None = None
+    v_low: torch.Tensor | None = None
 
 
 @dataclass
@@ -93,8 +110,15 @@ class KiviAttention:
         """nq(n): tokens of n read from the blocks."""
         return max(window.start, (n - residual) // self.block_size * self.block_size)
 
+    def middle_len(self, window: Window, n: int, residual: int, middle: int) -> int:
+        """nm(n) (`tiered`): tokens of n read at 2 bits; [nm, nq) are the 4-bit middle band."""
+        return max(window.start, self.quantized_len(window, n, residual) - middle)
+
+    def _row(self, layer_idx: int) -> int:
+        return layer_idx if self.rows is None else self.rows[layer_idx]
+
     def _ring(self, layer_idx: int) -> torch.Tensor:
-        return self.arena.ring[layer_idx if self.rows is None else self.rows[layer_idx]]  # [2, slots, size, kvh, d]
+        return self.arena.ring[self._row(layer_idx)]  # [2, slots, size, kvh, d]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         codec = self._codec(layer_idx)
@@ -110,12 +134,12 @@ class KiviAttention:
             return out
         dense = [self._write(layer_idx, codec, residual, r, k[span], v[span])
                  for r, span in zip(self.requests, spans, strict=True)]
-        for r, span, (lo, dk, dv) in zip(self.requests, spans, dense, strict=True):
-            out[span] = self._attend(layer_idx, codec, residual, r, q[span], lo, dk, dv)
+        for r, span, written in zip(self.requests, spans, dense, strict=True):
+            out[span] = self._attend(layer_idx, codec, residual, r, q[span], written)
         return out
 
     def _write_native(self, layer_idx: int, codec: WindowedCodec, residual: int, k: torch.Tensor, v: torch.Tensor,
-                      spans: list[slice]) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
+                      spans: list[slice]) -> dict[int, Written]:
         """The native path's writes: decodes that complete no block only put their token in the ring
         (one indexed copy for all of them: the kernel reads the rings); every other request goes
         through `_write`, whose exact K/V (by request index) a prefill chunk's kernel call reads."""
@@ -129,8 +153,9 @@ class KiviAttention:
         return dense
 
     def _write(self, layer_idx: int, codec: WindowedCodec, residual: int, r: KiviRequest, k: torch.Tensor,
-               v: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """Encode completed blocks, update the ring; return the exact K/V of positions [lo, ctx + len)."""
+               v: torch.Tensor) -> Written:
+        """Encode completed blocks, update the ring (and a tiered codec's band and sinks); return the
+        exact K/V of positions [lo, ctx + len) and the low planes the chunk's rows read."""
         ctx, hi, bs, size = r.context_len, r.context_len + r.query_len, self.block_size, self.arena.size
         ring = self._ring(layer_idx)[:, r.window.slot]  # [2, size, kvh, d]
         k, v = k.to(ring.dtype), v.to(ring.dtype)  # the window's precision (kv/window.py: window_dtype)
@@ -138,16 +163,31 @@ class KiviAttention:
         before = ring.index_select(1, torch.arange(lo, ctx, device=k.device) % size)
         dk, dv = torch.cat([before[0], k]), torch.cat([before[1], v])
         first, last = ctx // bs, hi // bs  # blocks this chunk completes
+        tiered = codec if isinstance(codec, TieredCodec) else None
+        if tiered:  # the band's planes still needed, read before this chunk's blocks overwrite any
+            band = self.arena.band[self._row(layer_idx), :, r.window.slot]  # [2, band, kvh, d / 4]
+            band_lo = min(self.middle_len(r.window, ctx + 1, residual, tiered.middle), first * bs)
+            lows = [band.index_select(1, torch.arange(band_lo, first * bs, device=k.device) % self.arena.band_size)]
         if last > first:
             rows = slice(first * bs - lo, last * bs - lo)
             blocks = (last - first, bs, *k.shape[1:])
-            codec.encode(self.cache.layers[layer_idx], r.block_ids[first:last],
-                         dk[rows].reshape(blocks), dv[rows].reshape(blocks))
+            low = codec.encode(self.cache.layers[layer_idx], r.block_ids[first:last],
+                               dk[rows].reshape(blocks), dv[rows].reshape(blocks))
+            if tiered:
+                new = torch.stack([t.flatten(0, 1) for t in low])
+                band.index_copy_(1, torch.arange(first * bs, last * bs, device=k.device) % self.arena.band_size, new)
+                lows.append(new)
+                if first == 0 and r.window.start == 0 and tiered.sink:  # block 0 leaves the ring's care: sinks
+                    sinks = self.arena.sinks[self._row(layer_idx), :, r.window.slot]
+                    sinks.copy_(torch.stack([dk[:tiered.sink], dv[:tiered.sink]]))
         keep = max(lo, hi - size)
         slots = torch.arange(keep, hi, device=k.device) % size
         ring[0].index_copy_(0, slots, dk[keep - lo:])
         ring[1].index_copy_(0, slots, dv[keep - lo:])
-        return lo, dk, dv
+        if not tiered:
+            return Written(lo, dk, dv)
+        planes = torch.cat(lows, dim=1)
+        return Written(lo, dk, dv, band_lo, planes[0], planes[1])
 
     def _step_plan(self) -> _StepPlan:
         """What the native path needs of the step, the same in every layer: built at the first."""
@@ -180,7 +220,7 @@ class KiviAttention:
         return plan.decode_args[residual]
 
     def _attend_native(self, layer_idx: int, layout, residual: int, q: torch.Tensor,
-                       dense: dict[int, tuple[int, torch.Tensor, torch.Tensor]], out: torch.Tensor) -> None:
+                       dense: dict[int, Written], out: torch.Tensor) -> None:
         """Every decode row in one kernel call over the rings; each prefill chunk in one call over
         its exact K/V [lo, hi) (a chunk longer than the ring has overwritten rows it still needs)."""
         device = q.device
@@ -196,7 +236,7 @@ class KiviAttention:
         for i, r in enumerate(self.requests):
             if r.query_len == 1:
                 continue
-            lo, dk, dv = dense[i]
+            lo, dk, dv = dense[i].lo, dense[i].k, dense[i].v
             span = slice(r.query_start, r.query_start + r.query_len)
             ns = range(r.context_len + 1, r.context_len + r.query_len + 1)
             meta = torch.tensor([[self.quantized_len(r.window, n, residual) for n in ns], list(ns),
@@ -211,22 +251,46 @@ class KiviAttention:
         self.kernels.kivi_attention(out, q, layout.k, layout.v, layout.k_scales, layout.k_zeros, layout.v_scales,
                                     layout.v_zeros, ring, tables, *meta, self.scale)
 
-    def _attend(self, layer_idx: int, codec: WindowedCodec, residual: int, r: KiviRequest, q: torch.Tensor, lo: int,
-                dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
-        ctx, hi = r.context_len, r.context_len + r.query_len
+    def _attend(self, layer_idx: int, codec: WindowedCodec, residual: int, r: KiviRequest, q: torch.Tensor,
+                written: Written) -> torch.Tensor:
+        ctx, hi, bs, device = r.context_len, r.context_len + r.query_len, self.block_size, q.device
         num_quantized = self.quantized_len(r.window, hi, residual)
-        kq, vq = codec.read_blocks(self.cache.layers[layer_idx], r.block_ids[: num_quantized // self.block_size])
-        keys = torch.cat([kq, dk.to(kq.dtype)]).transpose(0, 1).unsqueeze(0)  # [1, kvh, keys, d]
-        values = torch.cat([vq, dv.to(vq.dtype)]).transpose(0, 1).unsqueeze(0)
-        device = q.device
-        key_pos = torch.cat([torch.arange(num_quantized, device=device), torch.arange(lo, hi, device=device)])
-        is_quantized = torch.arange(len(key_pos), device=device) < num_quantized
+        storage = self.cache.layers[layer_idx]
+        kq, vq = codec.read_blocks(storage, r.block_ids[: num_quantized // bs])
+        parts = [(kq, vq, torch.arange(num_quantized, device=device), "quantized")]
+        middle, sinks = 0, 0
+        if isinstance(codec, TieredCodec):  # the 4-bit band and the sinks
+            assert written.k_low is not None and written.v_low is not None
+            middle, band_lo = codec.middle, written.band_lo
+            if num_quantized > band_lo:
+                n = num_quantized - band_lo
+                km, vm = codec.refine(kq[band_lo:], vq[band_lo:], storage,
+                                      r.block_ids[band_lo // bs: num_quantized // bs], written.k_low[:n],
+                                      written.v_low[:n])
+                parts.append((km, vm, torch.arange(band_lo, num_quantized, device=device), "middle"))
+            sinks = min(codec.sink if r.window.start == 0 else 0, num_quantized)
+            if sinks:
+                exact = self.arena.sinks[self._row(layer_idx), :, r.window.slot, :sinks].to(kq.dtype)
+                parts.append((exact[0], exact[1], torch.arange(sinks, device=device), "sink"))
+        parts.append((written.k.to(kq.dtype), written.v.to(kq.dtype), torch.arange(written.lo, hi, device=device),
+                      "exact"))
+        keys = torch.cat([p[0] for p in parts]).transpose(0, 1).unsqueeze(0)  # [1, kvh, keys, d]
+        values = torch.cat([p[1] for p in parts]).transpose(0, 1).unsqueeze(0)
+        key_pos = torch.cat([p[2] for p in parts])
+        kind = torch.cat([torch.full((len(p[2]),), KINDS.index(p[3]), device=device) for p in parts])
         out = torch.empty_like(q)
         for start in range(0, r.query_len, _ROWS):
             rows = torch.arange(ctx + start, min(ctx + start + _ROWS, hi), device=device)  # positions
-            nq = torch.tensor([self.quantized_len(r.window, p + 1, residual) for p in rows.tolist()], device=device)
-            below = key_pos.unsqueeze(0) < nq.unsqueeze(1)
-            mask = torch.where(is_quantized, below, ~below & (key_pos.unsqueeze(0) <= rows.unsqueeze(1)))
+            ns = [(p + 1) for p in rows.tolist()]
+            nq = torch.tensor([self.quantized_len(r.window, n, residual) for n in ns], device=device)[:, None]
+            nm = torch.tensor([self.middle_len(r.window, n, residual, middle) for n in ns],
+                              device=device)[:, None] if middle else nq
+            ns_row = nq.clamp(max=sinks)  # exact sinks below min(S, nq)
+            t = key_pos.unsqueeze(0)
+            below, sink = t < nq, t < ns_row
+            mask = torch.where(kind == KINDS.index("quantized"), (t < nm) & ~sink,
+                   torch.where(kind == KINDS.index("middle"), (t >= nm) & below & ~sink,
+                   torch.where(kind == KINDS.index("sink"), sink, ~below & (t <= rows.unsqueeze(1)))))
             attn = F.scaled_dot_product_attention(q[start : start + len(rows)].transpose(0, 1).unsqueeze(0), keys,
                                                   values, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[start : start + len(rows)] = attn[0].transpose(0, 1)

@@ -19,7 +19,7 @@ from threefold.kv.codec import KVCodec
 from threefold.kv.mix import layer_specs, mix_text
 from threefold.kv.paged import PagedKVCache
 from threefold.kv.registry import make_codec
-from threefold.kv.window import WindowArena, window_dtype
+from threefold.kv.window import ArenaShape, WindowArena, window_dtype
 from threefold.model.loader import LoadedModel
 from threefold.sample.sampler import Sampler, SamplingMetadata, compute_logprobs_tensors
 from threefold.spec.config import SpeculativeConfig
@@ -53,7 +53,8 @@ class ModelRunner:
         """The one codec of every layer, or None for a mix."""
         self.window_layers = [i for i, c in enumerate(self.codecs) if c.window_tokens(block_size)]
         """Layers whose codec keeps a full-precision window (KIVI); rows of the window arena, in order."""
-        self.window_tokens = max(c.window_tokens(block_size) for c in self.codecs)
+        self.arena_shape = ArenaShape.of(self.codecs, block_size)
+        self.window_tokens = self.arena_shape.size
         if self.window_tokens and (speculative_config is not None or self.config.sliding_window is not None):
             raise ThreefoldError(f"kv_cache_dtype {self.kv_cache_dtype} does not support speculative decoding or "
                                  f"sliding-window models yet.", param="kv_cache_dtype")
@@ -83,14 +84,13 @@ class ModelRunner:
         """Bytes of one running request's full-precision window (0: the codec keeps none)."""
         if not self.window_tokens:
             return 0
-        return WindowArena.bytes_per_slot(len(self.window_layers), self.window_tokens, self.config.num_kv_heads,
-                                          self.config.head_dim, window_dtype(self.config.dtype))
+        return self.arena_shape.bytes_per_slot(self.config.num_kv_heads, self.config.head_dim,
+                                               window_dtype(self.config.dtype))
 
     def initialize_kv_cache(self, num_blocks: int, num_windows: int = 0) -> None:
         self.kv_cache = PagedKVCache(self.codecs, self.config.num_layers, num_blocks, self.block_size, self.device)
         if self.window_tokens:
-            self.windows = WindowArena(len(self.window_layers), num_windows, self.window_tokens,
-                                       self.config.num_kv_heads, self.config.head_dim,
+            self.windows = WindowArena(self.arena_shape, num_windows, self.config.num_kv_heads, self.config.head_dim,
                                        window_dtype(self.config.dtype), self.device)
 
     @torch.inference_mode()
