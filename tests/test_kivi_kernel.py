@@ -43,10 +43,9 @@ class Twin:
         self.codec = make_codec(spec, kvh, d, dtype)
         self.heads, self.kvh, self.d, self.bs, self.dtype, self.kernels = heads, kvh, d, bs, dtype, kernels
         self.caches = [PagedKVCache(self.codec, 1, 40, bs, torch.device("cpu")) for _ in range(2)]
-        size = self.codec.window_tokens(bs)
         ring_dtype = ring_dtype or window_dtype(dtype)  # the engine's: fp16 windows beside fp32 compute
-        self.arenas = [WindowArena(ArenaShape(1, size), num_requests, kvh, d, ring_dtype, torch.device("cpu"))
-                       for _ in range(2)]
+        self.arenas = [WindowArena(ArenaShape.of([self.codec], bs), num_requests, kvh, d, ring_dtype,
+                                   torch.device("cpu")) for _ in range(2)]
         self.windows = [[arena.acquire(str(i), 0) for i in range(num_requests)] for arena in self.arenas]
         # request i owns blocks 1 + 12 i ..., shuffled so tables are not contiguous
         self.blocks = [torch.randperm(12, generator=torch.Generator().manual_seed(i)) + 1 + 12 * i
@@ -81,13 +80,16 @@ class Twin:
     ("kivi4:group=16,residual=32", 14, 2, 64, 32),   # Qwen2.5-0.5B's grouping, 2 key groups per block
     ("kivi2:group=32,residual=32", 4, 4, 128, 32),   # no GQA, head_dim 128
     ("kivi4:group=8,residual=8", 6, 2, 48, 16),      # a head_dim with no specialization
+    ("tiered:group=16,residual=16,middle=32,sink=4", 9, 3, 64, 16),  # the band ring wraps, sinks
+    ("tiered:group=8,residual=8,middle=16,sink=3", 6, 2, 48, 16),
+    ("tiered:group=16,residual=16,middle=0,sink=0", 9, 3, 64, 16),   # no band, no sinks: kivi2's reads
 ])
 def test_kivi_kernel_matches_reference(kernels, dtype, ring_dtype, spec, heads, kvh, d, bs):
     """Prefill chunks (the first one alone, a later one reading blocks and window), then decodes
     of two requests batched: contexts end inside the window, inside a partial key group and on
     block boundaries as they grow. Windows in the engine's dtype (fp16 beside fp32) or the model's."""
     twin = Twin(spec, heads, kvh, d, bs, dtype, kernels, 2, ring_dtype)
-    assert twin.caches[1].layout(0).kind == "kivi"  # the kernel's layout, not GEAR's
+    assert twin.caches[1].layout(0).kind in ("kivi", "tiered")  # the kernel's layouts, not GEAR's
     twin.step([(0, 0, 45)])
     twin.step([(0, 45, 37), (1, 0, 7)])  # a chunk longer than the window beside a first one
     for t in range(40):

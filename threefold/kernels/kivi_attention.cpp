@@ -1,4 +1,4 @@
-// threefold-exports: kivi_attention
+// threefold-exports: kivi_attention tiered_attention
 //
 // kivi_attention -- attention over a KIVI cache read in place: each query row attends over
 // its quantized positions [0, nq) straight from the packed blocks and over the exact positions
@@ -16,6 +16,10 @@
 // so a key's score is qs . codes + qz (exact algebra; fp32 rounding only). Values: each row
 // is dequantized once in registers and shared by the Gq query heads of its kv head.
 //
+// tiered_attention (kv/codecs/tiered.py) reads the blocks as kivi2 and adds, per row, the positions
+// [0, ns) exact from the request's sinks and, for [nm, nq), the low bit plane from its band:
+//   code = hi + lo / 4 - 3 / 8   (then the block's scale and zero, as for any code)
+//
 // Work item = (row, kv head), split over threads by keys read (decode_attention.h). A decode
 // row reads the request's ring; the rows of a prefill chunk share one block table and read
 // the chunk's exact K/V (base = its first exact position, size = its length).
@@ -28,7 +32,7 @@ using Half = at::Half;
 
 struct KiviArgs {
   int64_t rows, num_heads, head_dim, block_size, num_kv_heads, group, table_width;
-  int64_t key_group, value_groups, ring_slots, ring_size;
+  int64_t key_group, value_groups, ring_slots, ring_size, width_bits;
   const uint8_t* k_codes;
   const uint8_t* v_codes;
   const Half* k_scales;
@@ -41,6 +45,16 @@ struct KiviArgs {
   const int64_t* slots;
   const int64_t* bases;
   float fscale;
+  // tiered_attention only (null / 0 otherwise):
+  const uint8_t* band = nullptr;       // [2, band_slots, band_size, kvh, d / 4]
+  int64_t band_slots = 0, band_size = 1;
+  const int64_t* mid_lens = nullptr;     // nm per row
+  const int64_t* band_rows = nullptr;    // band slot per row
+  const int64_t* band_bases = nullptr;   // position of band row 0 (mod band_size)
+  const void* sinks = nullptr;           // [2, sink_slots, sink, kvh, d], the ring's dtype
+  int64_t sink_slots = 0, sink = 0;
+  const int64_t* sink_lens = nullptr;    // ns per row (<= nq)
+  const int64_t* sink_rows = nullptr;    // sinks slot per row
 };
 
 // Codes of one packed row -> fp32 in channel order (contiguous parts: vector shifts).
@@ -54,8 +68,16 @@ inline void unpack(const uint8_t* __restrict c, float* __restrict dst, int64_t d
   }
 }
 
+// Adds a low plane (2 bits, packed as codes) to unpacked codes: code + lo / 4 - 3 / 8.
+template <int D>
+inline void refine(const uint8_t* __restrict low, float* __restrict row, float* __restrict tmp, int64_t d) {
+  unpack<2, D>(low, tmp, d);
+  const int64_t n = D > 0 ? D : d;
+  for (int64_t i = 0; i < n; ++i) row[i] += 0.25f * tmp[i] - 0.375f;
+}
+
 // T: q and out; W: the window's rows (T, or fp16 beside fp32 q: kv/window.py's window_dtype).
-template <int B, int D, typename T, typename W>
+template <int B, int D, typename T, typename W, bool TIERED>
 void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring, const KiviArgs& a) {
   const T* q_ptr = q.data_ptr<T>();
   T* out_ptr = out.data_ptr<T>();
@@ -68,10 +90,19 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
 
   at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
     const int64_t gd = a.group * d;
-    std::vector<float> qf(gd), qs(gd), qz(a.group), acc(gd), row(d), meta(2 * d), scores;
+    std::vector<float> qf(gd), qs(gd), qz(a.group), acc(gd), row(d), tmp(d), meta(2 * d), scores;
     for (int64_t item = bounds[part_begin]; item < bounds[part_end]; ++item) {
       const int64_t r = item / kvh_n, kvh = item % kvh_n;
       const int64_t len = a.lens[r], nq = std::min(a.quant_lens[r], len);
+      const int64_t nm = TIERED ? std::min(a.mid_lens[r], nq) : nq, ns = TIERED ? std::min(a.sink_lens[r], nq) : 0;
+      const int64_t low_width = d / 4, band_side = a.band_slots * a.band_size * kvh_n * low_width;
+      const uint8_t* band = TIERED ? a.band + (a.band_rows[r] * a.band_size * kvh_n + kvh) * low_width : nullptr;
+      auto band_row = [&](int64_t pos) {  // offset of position pos's low plane (K side)
+        int64_t i = (pos - a.band_bases[r]) % a.band_size;
+        return (i < 0 ? i + a.band_size : i) * kvh_n * low_width;
+      };
+      const int64_t sink_side = a.sink_slots * a.sink * kvh_n * d;
+      const W* sinks = TIERED ? static_cast<const W*>(a.sinks) + (a.sink_rows[r] * a.sink * kvh_n + kvh) * d : nullptr;
       const int64_t* table = a.tables + r * a.table_width;
       const W* exact = ring_ptr + a.slots[r] * a.ring_size * kvh_n * d + kvh * d;
       auto exact_row = [&](int64_t pos) {  // offset of position pos's exact row (K side)
@@ -83,8 +114,12 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
         for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(src[i]) * a.fscale;
       }
       scores.assign(a.group * len, 0.f);
+      for (int64_t pos = 0; pos < ns; ++pos) {  // tiered: the exact sinks
+        widen<D>(sinks + pos * kvh_n * d, row.data(), d);
+        for (int64_t g = 0; g < a.group; ++g) scores[g * len + pos] = dot<D>(qf.data() + g * d, row.data(), d);
+      }
       // Pass 1a: quantized keys, one key group at a time (its scale folded into q).
-      for (int64_t pos = 0; pos < nq;) {
+      for (int64_t pos = ns; pos < nq;) {
         const int64_t blk = table[pos / a.block_size], off = pos % a.block_size;
         const int64_t group_end = std::min(nq, pos - off % a.key_group + a.key_group);
         const int64_t m = ((blk * (a.block_size / a.key_group) + off / a.key_group) * kvh_n + kvh) * d;
@@ -97,6 +132,7 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
         const uint8_t* codes = a.k_codes + ((blk * a.block_size + off) * kvh_n + kvh) * width;
         for (; pos < group_end; ++pos, codes += kvh_n * width) {
           unpack<B, D>(codes, row.data(), d);
+          if (TIERED && pos >= nm) refine<D>(band + band_row(pos), row.data(), tmp.data(), d);
           for (int64_t g = 0; g < a.group; ++g) scores[g * len + pos] = dot<D>(qs.data() + g * d, row.data(), d) + qz[g];
         }
       }
@@ -116,11 +152,16 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
         inv_sum[g] = 1.f / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t pos = 0; pos < ns; ++pos) {  // tiered: the exact sinks
+        widen<D>(sinks + sink_side + pos * kvh_n * d, row.data(), d);
+        for (int64_t g = 0; g < a.group; ++g) axpy<D>(scores[g * len + pos], row.data(), acc.data() + g * d, d);
+      }
       // Pass 2a: quantized values, each row dequantized once for the Gq heads.
-      for (int64_t pos = 0; pos < nq; ++pos) {
+      for (int64_t pos = ns; pos < nq; ++pos) {
         const int64_t blk = table[pos / a.block_size], off = pos % a.block_size;
         const int64_t index = (blk * a.block_size + off) * kvh_n + kvh;
         unpack<B, D>(a.v_codes + index * width, row.data(), d);
+        if (TIERED && pos >= nm) refine<D>(band + band_side + band_row(pos), row.data(), tmp.data(), d);
         const Half* vs = a.v_scales + index * a.value_groups;
         const Half* vz = a.v_zeros + index * a.value_groups;
         for (int64_t c = 0; c < a.value_groups; ++c) {
@@ -143,21 +184,23 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
   });
 }
 
-template <int B, typename T, typename W>
+template <int B, typename T, typename W, bool TIERED>
 void dispatch_dim(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring, const KiviArgs& a) {
   switch (a.head_dim) {
-    case 64: return kivi_run<B, 64, T, W>(out, q, ring, a);
-    case 128: return kivi_run<B, 128, T, W>(out, q, ring, a);
-    default: return kivi_run<B, 0, T, W>(out, q, ring, a);
+    case 64: return kivi_run<B, 64, T, W, TIERED>(out, q, ring, a);
+    case 128: return kivi_run<B, 128, T, W, TIERED>(out, q, ring, a);
+    default: return kivi_run<B, 0, T, W, TIERED>(out, q, ring, a);
   }
 }
 
 template <typename T, typename W>
 void dispatch_bits(int64_t bits, const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring,
                    const KiviArgs& a) {
-  if (bits == 2) return dispatch_dim<2, T, W>(out, q, ring, a);
-  dispatch_dim<4, T, W>(out, q, ring, a);
+  if (a.band != nullptr) return dispatch_dim<2, T, W, true>(out, q, ring, a);
+  if (bits == 2) return dispatch_dim<2, T, W, false>(out, q, ring, a);
+  dispatch_dim<4, T, W, false>(out, q, ring, a);
 }
+
 
 bool same_long(const at::Tensor& t, int64_t n) {
   return t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 1 && t.size(0) == n;
@@ -168,7 +211,13 @@ bool same_long(const at::Tensor& t, int64_t n) {
 // out, q: [R, H, d] (float32 or bfloat16, head_dim contiguous); k/v codes, scales, zeros as
 // above (contiguous); ring: [2, S, size, kvh, d] contiguous, q's dtype (or fp16 beside fp32 q);
 // block_tables [R, width], quant_lens, seq_lens (>= 1), slots, bases: [R] int64.
-void kivi_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at::Tensor v_codes, at::Tensor k_scales, at::Tensor k_zeros, at::Tensor v_scales, at::Tensor v_zeros, at::Tensor ring, at::Tensor block_tables, at::Tensor quant_lens, at::Tensor seq_lens, at::Tensor slots, at::Tensor bases, double scale) {
+namespace {
+
+KiviArgs checked_args(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& v_codes,
+                      const at::Tensor& k_scales, const at::Tensor& k_zeros, const at::Tensor& v_scales,
+                      const at::Tensor& v_zeros, const at::Tensor& ring, const at::Tensor& block_tables,
+                      const at::Tensor& quant_lens, const at::Tensor& seq_lens, const at::Tensor& slots,
+                      const at::Tensor& bases, double scale) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.stride(2) == 1 && out.stride(2) == 1,
               "q and out must be [R, H, d] of one shape, head_dim contiguous");
   const bool half_ring = q.scalar_type() == at::kFloat && ring.scalar_type() == at::kHalf;
@@ -201,14 +250,62 @@ void kivi_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at::Tensor
                   same_long(slots, rows) && same_long(bases, rows),
               "block_tables [R, width] and quant_lens, seq_lens, slots, bases [R] must be contiguous int64");
   const KiviArgs a{rows, q.size(1), d, bs, kvh, q.size(1) / kvh, block_tables.size(1),
-                   bs / k_scales.size(1), v_scales.size(3), ring.size(1), ring.size(2),
+                   bs / k_scales.size(1), v_scales.size(3), ring.size(1), ring.size(2), width * 8 / d,
                    k_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(),
                    k_scales.data_ptr<Half>(), k_zeros.data_ptr<Half>(), v_scales.data_ptr<Half>(),
                    v_zeros.data_ptr<Half>(), block_tables.data_ptr<int64_t>(), quant_lens.data_ptr<int64_t>(),
                    seq_lens.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), bases.data_ptr<int64_t>(),
                    static_cast<float>(scale)};
-  const int64_t bits = width * 8 / d;
+  return a;
+}
+
+void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring, const KiviArgs& a) {
+  const int64_t bits = a.width_bits;
   if (q.scalar_type() == at::kBFloat16) return dispatch_bits<at::BFloat16, at::BFloat16>(bits, out, q, ring, a);
-  if (half_ring) return dispatch_bits<float, Half>(bits, out, q, ring, a);
+  if (ring.scalar_type() == at::kHalf) return dispatch_bits<float, Half>(bits, out, q, ring, a);
   dispatch_bits<float, float>(bits, out, q, ring, a);
+}
+
+}  // namespace
+
+void kivi_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at::Tensor v_codes, at::Tensor k_scales, at::Tensor k_zeros, at::Tensor v_scales, at::Tensor v_zeros, at::Tensor ring, at::Tensor block_tables, at::Tensor quant_lens, at::Tensor seq_lens, at::Tensor slots, at::Tensor bases, double scale) {
+  run(out, q, ring, checked_args(out, q, k_codes, v_codes, k_scales, k_zeros, v_scales, v_zeros, ring, block_tables,
+                                 quant_lens, seq_lens, slots, bases, scale));
+}
+
+// tiered_attention: kivi_attention's operands (2-bit codes) plus band: uint8 [2, BS, band_size, kvh, d / 4]
+// contiguous, sinks: [2, SS, sink, kvh, d] contiguous in the ring's dtype, tier_meta: int64 [5, R]
+// contiguous, rows nm, band slot, band base, ns, sinks slot (ns <= sink).
+void tiered_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at::Tensor v_codes, at::Tensor k_scales, at::Tensor k_zeros, at::Tensor v_scales, at::Tensor v_zeros, at::Tensor ring, at::Tensor block_tables, at::Tensor quant_lens, at::Tensor seq_lens, at::Tensor slots, at::Tensor bases, at::Tensor band, at::Tensor sinks, at::Tensor tier_meta, double scale) {
+  KiviArgs a = checked_args(out, q, k_codes, v_codes, k_scales, k_zeros, v_scales, v_zeros, ring, block_tables,
+                            quant_lens, seq_lens, slots, bases, scale);
+  const int64_t rows = q.size(0), kvh = a.num_kv_heads, d = a.head_dim;
+  TORCH_CHECK(a.width_bits == 2, "tiered blocks hold 2-bit codes");
+  TORCH_CHECK(band.scalar_type() == at::kByte && band.is_contiguous() && band.dim() == 5 && band.size(0) == 2 &&
+                  band.size(2) > 0 && band.size(3) == kvh && band.size(4) * 4 == d,
+              "band must be contiguous uint8 [2, slots, size, kvh, d / 4]");
+  TORCH_CHECK(sinks.scalar_type() == ring.scalar_type() && sinks.is_contiguous() && sinks.dim() == 5 &&
+                  sinks.size(0) == 2 && sinks.size(3) == kvh && sinks.size(4) == d,
+              "sinks must be contiguous [2, slots, sink, kvh, d] in the ring's dtype");
+  TORCH_CHECK(tier_meta.scalar_type() == at::kLong && tier_meta.is_contiguous() && tier_meta.dim() == 2 &&
+                  tier_meta.size(0) == 5 && tier_meta.size(1) == rows,
+              "tier_meta must be contiguous int64 [5, R]");
+  const int64_t* meta = tier_meta.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(meta[r + rows] >= 0 && meta[r + rows] < band.size(1) && meta[r + 3 * rows] <= sinks.size(2) &&
+                    (meta[r + 3 * rows] == 0 || (meta[r + 4 * rows] >= 0 && meta[r + 4 * rows] < sinks.size(1))),
+                "tier_meta row ", r, " names a band or sinks slot out of range");
+  }
+  a.band = band.data_ptr<uint8_t>();
+  a.band_slots = band.size(1);
+  a.band_size = band.size(2);
+  a.mid_lens = meta;
+  a.band_rows = meta + rows;
+  a.band_bases = meta + 2 * rows;
+  a.sink_lens = meta + 3 * rows;
+  a.sink_rows = meta + 4 * rows;
+  a.sinks = sinks.data_ptr();
+  a.sink_slots = sinks.size(1);
+  a.sink = sinks.size(2);
+  run(out, q, ring, a);
 }

@@ -124,13 +124,13 @@ class KiviAttention:
         codec = self._codec(layer_idx)
         residual = codec.residual if self.residual is None else self.residual
         layout = self.cache.layout(layer_idx) if self.kernels is not None else None
-        native = layout is not None and layout.kind == "kivi"
+        native = layout is not None and layout.kind in ("kivi", "tiered")
         _log_path(native)
         spans = [slice(r.query_start, r.query_start + r.query_len) for r in self.requests]
         out = torch.empty_like(q)
         if native:
             exact = self._write_native(layer_idx, codec, residual, k, v, spans)
-            self._attend_native(layer_idx, layout, residual, q, exact, out)
+            self._attend_native(layer_idx, codec, layout, residual, q, exact, out)
             return out
         dense = [self._write(layer_idx, codec, residual, r, k[span], v[span])
                  for r, span in zip(self.requests, spans, strict=True)]
@@ -203,8 +203,9 @@ class KiviAttention:
                 [i for i, r in enumerate(self.requests) if r.query_len == 1], {})
         return self._plan
 
-    def _decode_args(self, residual: int) -> tuple[torch.Tensor, ...]:
-        """The decode rows' query rows, block tables [rows, width] and meta [4, rows] (per residual)."""
+    def _decode_args(self, residual: int, tiered: TieredCodec | None) -> tuple[torch.Tensor, ...]:
+        """The decode rows' query rows, block tables [rows, width], meta [4, rows] and (tiered) tier
+        meta [5, rows] (per residual)."""
         plan = self._step_plan()
         if residual not in plan.decode_args:
             reqs, device = [self.requests[i] for i in plan.decodes], self.arena.ring.device
@@ -216,40 +217,70 @@ class KiviAttention:
             rows = torch.tensor([r.query_start for r in reqs], device=device)
             meta = torch.tensor([[self.quantized_len(r.window, n, residual) for r, n in zip(reqs, lens, strict=True)],
                                  lens, [r.window.slot for r in reqs], [0] * len(reqs)], device=device)
-            plan.decode_args[residual] = (rows, tables, meta)
+            tier = [] if tiered is None else [self._tier_meta(tiered, residual, r, [n], r.window.slot, 0)
+                                               for r, n in zip(reqs, lens, strict=True)]
+            plan.decode_args[residual] = (rows, tables, meta, *([torch.cat(tier, 1)] if tier else []))
         return plan.decode_args[residual]
 
-    def _attend_native(self, layer_idx: int, layout, residual: int, q: torch.Tensor,
+    def _tier_meta(self, codec: TieredCodec, residual: int, r: KiviRequest, lens: list[int] | range, band_row: int,
+                   band_base: int) -> torch.Tensor:
+        """tiered_attention's rows for request r at lengths `lens`: nm, band slot, band base, sinks, sinks slot."""
+        nq = [self.quantized_len(r.window, n, residual) for n in lens]
+        sinks = codec.sink if r.window.start == 0 else 0
+        return torch.tensor([[self.middle_len(r.window, n, residual, codec.middle) for n in lens], [band_row] * len(nq),
+                             [band_base] * len(nq), [min(sinks, x) for x in nq], [r.window.slot] * len(nq)],
+                            device=self.arena.ring.device)
+
+    def _attend_native(self, layer_idx: int, codec: WindowedCodec, layout, residual: int, q: torch.Tensor,
                        dense: dict[int, Written], out: torch.Tensor) -> None:
         """Every decode row in one kernel call over the rings; each prefill chunk in one call over
-        its exact K/V [lo, hi) (a chunk longer than the ring has overwritten rows it still needs)."""
+        its exact K/V [lo, hi) (a chunk longer than the ring has overwritten rows it still needs) and,
+        tiered, the low planes `_write` gathered (the band ring may have lost some the same way)."""
         device = q.device
+        tiered = codec if isinstance(codec, TieredCodec) else None
+        row = self._row(layer_idx)
+        sinks = self.arena.sinks[row]
         if self._step_plan().decodes:
-            rows, tables, meta = self._decode_args(residual)
+            rows, tables, meta, *tier = self._decode_args(residual, tiered)
+            extra = (self.arena.band[row], sinks, *tier) if tier else ()
             first, n = int(rows[0]), len(rows)
             if int(rows[-1]) - first == n - 1:  # the runner puts decodes first, in order: views
-                self._kernel(layout, out[first:first + n], q[first:first + n], self._ring(layer_idx), tables, meta)
+                self._kernel(layout, out[first:first + n], q[first:first + n], self._ring(layer_idx), tables, meta,
+                             *extra)
             else:
                 result = torch.empty(n, *q.shape[1:], dtype=q.dtype, device=device)
-                self._kernel(layout, result, q.index_select(0, rows), self._ring(layer_idx), tables, meta)
+                self._kernel(layout, result, q.index_select(0, rows), self._ring(layer_idx), tables, meta, *extra)
                 out.index_copy_(0, rows, result)
         for i, r in enumerate(self.requests):
             if r.query_len == 1:
                 continue
-            lo, dk, dv = dense[i].lo, dense[i].k, dense[i].v
+            written = dense[i]
             span = slice(r.query_start, r.query_start + r.query_len)
             ns = range(r.context_len + 1, r.context_len + r.query_len + 1)
             meta = torch.tensor([[self.quantized_len(r.window, n, residual) for n in ns], list(ns),
-                                 [0] * len(ns), [lo] * len(ns)], device=device)
+                                 [0] * len(ns), [written.lo] * len(ns)], device=device)
             tables = r.block_ids.unsqueeze(0).expand(len(ns), -1).contiguous()
-            self._kernel(layout, out[span], q[span], torch.stack([dk, dv]).unsqueeze(1), tables, meta)
+            extra = ()
+            if tiered is not None:
+                assert written.k_low is not None and written.v_low is not None
+                band = torch.stack([written.k_low, written.v_low]).unsqueeze(1)  # [2, 1, planes, kvh, d / 4]
+                if not band.shape[2]:  # no middle band yet: the kernel reads none of it
+                    band = torch.zeros(2, 1, 1, *band.shape[3:], dtype=band.dtype, device=device)
+                extra = (band, sinks, self._tier_meta(tiered, residual, r, ns, 0, written.band_lo))
+            self._kernel(layout, out[span], q[span], torch.stack([written.k, written.v]).unsqueeze(1), tables, meta,
+                         *extra)
 
     def _kernel(self, layout, out: torch.Tensor, q: torch.Tensor, ring: torch.Tensor, tables: torch.Tensor,
-                meta: torch.Tensor) -> None:
-        """meta [4, rows]: quantized lengths, seq lengths, ring slots, ring bases."""
+                meta: torch.Tensor, *tier: torch.Tensor) -> None:
+        """meta [4, rows]: quantized lengths, seq lengths, ring slots, ring bases; tier (tiered): band,
+        sinks and tier meta [5, rows] (see kernels/kivi_attention.cpp)."""
         assert self.kernels is not None
-        self.kernels.kivi_attention(out, q, layout.k, layout.v, layout.k_scales, layout.k_zeros, layout.v_scales,
-                                    layout.v_zeros, ring, tables, *meta, self.scale)
+        args = (out, q, layout.k, layout.v, layout.k_scales, layout.k_zeros, layout.v_scales, layout.v_zeros, ring,
+                tables, *meta)
+        if tier:
+            self.kernels.tiered_attention(*args, *tier, self.scale)
+        else:
+            self.kernels.kivi_attention(*args, self.scale)
 
     def _attend(self, layer_idx: int, codec: WindowedCodec, residual: int, r: KiviRequest, q: torch.Tensor,
                 written: Written) -> torch.Tensor:
