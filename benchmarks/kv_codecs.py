@@ -14,7 +14,8 @@ plain-torch path) per token at 1k and 4k contexts (--speed-lengths), batch 4, ag
 Throughput (--throughput, under the lock): offline ShareGPT first turns through LLM.generate
 at a small KV budget (--budget, 64 MiB), per codec: output tok/s and the most sequences that
 ran at once, against `auto` (--long-prompts: every prompt --prompt-tokens long, concatenated
-conversations, for the context lengths where KIVI's window is amortized).
+conversations, for the context lengths where KIVI's window is amortized; --vllm-peer auto,fp8:
+vLLM CPU on the same prompts at the same KV bytes, `kv_cache_memory_bytes`, in its peer venv).
 """
 
 from __future__ import annotations
@@ -228,6 +229,20 @@ def kivi_decode_time(codec, config, length: int, batch: int, dtype: torch.dtype,
     return best
 
 
+def throughput_prompts(tokenizer, num_prompts: int, prompt_tokens: int, long: bool) -> list[dict]:
+    """ShareGPT test-split first turns cut at prompt_tokens, or (long) contexts of exactly prompt_tokens."""
+    if long:
+        return [{"prompt_token_ids": ids} for ids in contexts(tokenizer, num_prompts, prompt_tokens)]
+    prompts = []
+    for record in open_sharegpt().iter_records("test", seed=0):
+        turns = list(dialogue(record))
+        if turns:
+            prompts.append({"prompt_token_ids": tokenizer.encode(turns[0][0])[:prompt_tokens]})
+        if len(prompts) == num_prompts:
+            break
+    return prompts
+
+
 def throughput_rows(model: str, codecs: list[str], budget: int, num_prompts: int, prompt_tokens: int,
                     output_tokens: int, long: bool = False) -> list[dict]:
     """Offline generation of ShareGPT test-split first turns (truncated to prompt_tokens, exactly
@@ -240,16 +255,7 @@ def throughput_rows(model: str, codecs: list[str], budget: int, num_prompts: int
     for spec in codecs:
         llm = LLM(model, dtype="auto", kv_cache_dtype=spec, kv_cache_memory=budget, block_size=block_size_for(spec),
                   max_model_len=prompt_tokens + output_tokens, max_num_seqs=256, enable_prefix_caching=False)
-        tokenizer = llm.engine.core.loaded.tokenizer
-        prompts = []
-        for record in ([] if long else open_sharegpt().iter_records("test", seed=0)):
-            turns = list(dialogue(record))
-            if turns:
-                prompts.append({"prompt_token_ids": tokenizer.encode(turns[0][0])[:prompt_tokens]})
-            if len(prompts) == num_prompts:
-                break
-        if long:
-            prompts = [{"prompt_token_ids": ids} for ids in contexts(tokenizer, num_prompts, prompt_tokens)]
+        prompts = throughput_prompts(llm.engine.core.loaded.tokenizer, num_prompts, prompt_tokens, long)
         params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
         core = llm.engine.core
         llm.generate(prompts[:1], params)  # warm-up
@@ -271,6 +277,30 @@ def throughput_rows(model: str, codecs: list[str], budget: int, num_prompts: int
         row["tok_s_vs_auto"] = row["output_tok_s"] / rows[0]["output_tok_s"]
         row["total_vs_auto"] = row["total_tok_s"] / rows[0]["total_tok_s"]
         row["peak_vs_auto"] = row["peak_running"] / max(1, rows[0]["peak_running"])
+    return rows
+
+
+def vllm_rows(model: str, kv_dtypes: list[str], budget: int, prompts: list[dict], output_tokens: int,
+              baseline: dict) -> list[dict]:
+    """vLLM CPU (its peer venv) on the same prompts at the same KV bytes, per kv_cache_dtype (auto, fp8):
+    output tok/s, and the ratio to threefold's first codec (`baseline`)."""
+    from threefold.bench.offline import run_vllm
+
+    requests = [{"prompt_token_ids": p["prompt_token_ids"], "max_tokens": output_tokens} for p in prompts]
+    max_len = max(len(r["prompt_token_ids"]) for r in requests) + output_tokens
+    rows = []
+    for kv_dtype in kv_dtypes:
+        elapsed = run_vllm(model, requests, "bfloat16", max_len, kv_cache_dtype=kv_dtype, kv_cache_memory_bytes=budget,
+                           max_num_seqs=256, enable_prefix_caching=False)
+        outputs = len(requests) * output_tokens
+        prompt_total = sum(len(r["prompt_token_ids"]) for r in requests)
+        rows.append({"codec": f"vllm:{kv_dtype}", "budget_mib": budget / 2**20, "output_tok_s": outputs / elapsed,
+                     "total_tok_s": (prompt_total + outputs) / elapsed, "elapsed_s": elapsed,
+                     "load_avg": os.getloadavg()[0]})
+        print(json.dumps(rows[-1]), flush=True)
+    for row in rows:
+        row["tok_s_vs_auto"] = row["output_tok_s"] / baseline["output_tok_s"]
+        row["total_vs_auto"] = row["total_tok_s"] / baseline["total_tok_s"]
     return rows
 
 
@@ -322,6 +352,8 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--long-prompts", action="store_true",
                         help="--throughput: prompts of exactly --prompt-tokens (concatenated conversations)")
+    parser.add_argument("--vllm-peer", default="", help="--throughput: vLLM CPU kv_cache_dtypes to run on the same "
+                                                         "prompts and KV bytes, comma-separated (e.g. auto,fp8)")
     parser.add_argument("--guard", default=None, help="e.g. guard:kivi2: calibrate it and add its mixes as rows")
     parser.add_argument("--guard-budgets", default="0.01", help="KL budgets (nats/token) for --guard, comma-separated")
     parser.add_argument("--guard-tokens", type=int, default=512, help="calibration tokens (the engine's default: 512)")
@@ -332,6 +364,12 @@ def main() -> None:
     if ns.throughput:  # codecs[0] is the baseline of the ratios
         result = {"cpu": cpu_info().describe(), "throughput": throughput_rows(
             ns.model, codecs, ns.budget, ns.num_prompts, ns.prompt_tokens, ns.output_tokens, ns.long_prompts)}
+        if ns.vllm_peer:
+            from threefold.bench.tokenizer import load_tokenizer
+
+            prompts = throughput_prompts(load_tokenizer(ns.model), ns.num_prompts, ns.prompt_tokens, ns.long_prompts)
+            result["vllm"] = vllm_rows(ns.model, ns.vllm_peer.split(","), ns.budget, prompts, ns.output_tokens,
+                                       result["throughput"][0])
         print(json.dumps(result, indent=1), flush=True)
         return
     loaded = load_model(ns.model, dtype="float32")

@@ -151,10 +151,11 @@ def cmd_info(ns: argparse.Namespace) -> int:
     print(f"{ns.model}: {config.num_layers} layers, {config.num_kv_heads} KV heads x {config.head_dim}, "
           f"{str(config.dtype).removeprefix('torch.')}; KV budget {budget / 2**20:.0f} MiB, "
           f"max_model_len {ns.max_model_len or config.max_position_embeddings}")
-    print(f"{'kv_cache_dtype':<28} {'bytes/token':>12} {'tokens':>10} {'vs auto':>8} {'max seqs':>9}")
     rows = capacity_rows(config, budget, ns.block_size, max_model_len=ns.max_model_len)
+    width = max(28, *(len(row["kv_cache_dtype"]) for row in rows))
+    print(f"{'kv_cache_dtype':<{width}} {'bytes/token':>12} {'tokens':>10} {'vs auto':>8} {'max seqs':>9}")
     for row in rows:
-        print(f"{row['kv_cache_dtype']:<28} {row['bytes_per_token']:>12.0f} {row['capacity_tokens']:>10} "
+        print(f"{row['kv_cache_dtype']:<{width}} {row['bytes_per_token']:>12.0f} {row['capacity_tokens']:>10} "
               f"{row['capacity_tokens'] / max(rows[0]['capacity_tokens'], 1):>7.2f}x {row['max_num_seqs']:>9}")
     return 0
 

@@ -63,16 +63,19 @@ def run_threefold(model: str, requests: list[dict], dtype: str, max_model_len: i
     return time.perf_counter() - start
 
 
-def run_vllm(model: str, requests: list[dict], dtype: str, max_model_len: int) -> float:
+def run_vllm(model: str, requests: list[dict], dtype: str, max_model_len: int, **engine_args) -> float:
+    """Seconds vLLM's `LLM.generate` takes over `requests` (engine_args: more `vllm.LLM` keywords; a
+    kv_cache_memory_bytes there sizes the KV cache instead of the 4 GiB default)."""
     if not is_installed("vllm"):
         raise ThreefoldError("vLLM peer not installed; run `threefold bench peers install vllm`", param="engine")
     runner = Path(__file__).with_name("vllm_offline_runner.py")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"model_dir": str(_hf_dir(model)), "dtype": dtype, "max_model_len": max_model_len,
-                   "requests": requests}, f)
+                   "requests": requests, "engine_args": engine_args}, f)
     cpus = len(os.sched_getaffinity(0))
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cpus - 1}", "VLLM_CPU_KVCACHE_SPACE": "4",
-           **run_as_env()}
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cpus - 1}", "VLLM_CPU_KVCACHE_SPACE": "4", **run_as_env()}
+    if "kv_cache_memory_bytes" in engine_args:
+        del env["VLLM_CPU_KVCACHE_SPACE"]  # vLLM's CPU platform lets the variable override the bytes
     try:
         proc = subprocess.run([str(venv_python("vllm")), str(runner), f.name], capture_output=True, text=True,
                               env=env, check=False)  # a failure is reported below with its stderr

@@ -5,7 +5,8 @@ dependencies that venv does not have):
 
     $THREEFOLD_HOME/peers/vllm/bin/python vllm_offline_runner.py SPEC.json
 
-SPEC.json: {"model_dir", "dtype", "max_model_len", "requests": [{"prompt_token_ids", "max_tokens"}]}.
+SPEC.json: {"model_dir", "dtype", "max_model_len", "requests": [{"prompt_token_ids", "max_tokens"}],
+"engine_args": {...} (optional: more `vllm.LLM` keywords, e.g. kv_cache_dtype, kv_cache_memory_bytes)}.
 Prints one line `RESULT {json}`. The __main__ guard is required: vLLM spawns
 its engine process, which re-imports this file.
 """
@@ -20,7 +21,8 @@ def main() -> None:
         spec = json.load(f)
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0)
+    llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0,
+              **spec.get("engine_args", {}))
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in spec["requests"]]
     params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in spec["requests"]]
     llm.generate(prompts[:1], params[:1], use_tqdm=False)  # warm-up, not timed

@@ -3,7 +3,7 @@
 
 #include "decode_attention.h"
 
-#if defined(THREEFOLD_AVX2) && !defined(THREEFOLD_AMX)
+#if defined(THREEFOLD_AVX2)  // (decode_attention.cpp takes `run` only without AMX; kivi_attention.cpp the helpers)
 // Also the path of AVX-512 builds without AMX: on an AVX-512 EPYC it ran 1.7-2.3x faster than the
 // compiler's AVX-512 version of the generic loop (benchmarks/kernels_micro.py --only attention, contexts
 // 256-1,024, both dtypes). AMX builds keep their tiles for bf16 and the generic loop for fp32 (unmeasured).

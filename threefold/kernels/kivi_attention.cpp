@@ -25,6 +25,7 @@
 // the chunk's exact K/V (base = its first exact position, size = its length).
 
 #include "decode_attention.h"
+#include "decode_attention_avx2.h"
 
 namespace {
 
@@ -68,6 +69,35 @@ inline void unpack(const uint8_t* __restrict c, float* __restrict dst, int64_t d
   }
 }
 
+constexpr int kKeys = 16;  // rows decoded, then scored (or accumulated), together
+
+// scores[g * n + j] = qs_g . rows[j] for each head g of the group and j < count: on AVX2 (head_dim 64
+// or 128) eight keys' lanes reduced together (decode_attention_avx2.h), else one dot at a time.
+template <int D>
+inline void score_rows(float* const (&rows)[kKeys], int count, const float* qs, int64_t group, float* scores,
+                       int64_t n, int64_t d) {
+#if defined(THREEFOLD_AVX2)
+  if constexpr (D > 0 && D % 16 == 0) {
+    return avx2::score_block<D>(reinterpret_cast<const float* const (&)[kKeys]>(rows), count, qs, group, scores, n);
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g)
+    for (int j = 0; j < count; ++j) scores[g * n + j] = dot<D>(qs + g * d, rows[j], d);
+}
+
+// acc[g] += p[g * n + j] rows[j] for each head g and j < count (AVX2: the output held in registers).
+template <int D>
+inline void accumulate_rows(float* const (&rows)[kKeys], int count, const float* p, int64_t group, int64_t n,
+                            float* acc, int64_t d) {
+#if defined(THREEFOLD_AVX2)
+  if constexpr (D > 0 && D % 64 == 0) {
+    return avx2::accumulate_block<D>(reinterpret_cast<const float* const (&)[kKeys]>(rows), count, p, group, n, acc);
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g)
+    for (int j = 0; j < count; ++j) axpy<D>(p[g * n + j], rows[j], acc + g * d, d);
+}
+
 // Adds a low plane (2 bits, packed as codes) to unpacked codes: code + lo / 4 - 3 / 8.
 template <int D>
 inline void refine(const uint8_t* __restrict low, float* __restrict row, float* __restrict tmp, int64_t d) {
@@ -91,6 +121,9 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
   at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
     const int64_t gd = a.group * d;
     std::vector<float> qf(gd), qs(gd), qz(a.group), acc(gd), row(d), tmp(d), meta(2 * d), scores;
+    std::vector<float> decoded(kKeys * d);  // the rows of one block of keys (or values), fp32
+    float* rows[kKeys];
+    for (int j = 0; j < kKeys; ++j) rows[j] = decoded.data() + j * d;
     for (int64_t item = bounds[part_begin]; item < bounds[part_end]; ++item) {
       const int64_t r = item / kvh_n, kvh = item % kvh_n;
       const int64_t len = a.lens[r], nq = std::min(a.quant_lens[r], len);
@@ -130,10 +163,16 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
           qz[g] = dot<D>(qf.data() + g * d, meta.data() + d, d);
         }
         const uint8_t* codes = a.k_codes + ((blk * a.block_size + off) * kvh_n + kvh) * width;
-        for (; pos < group_end; ++pos, codes += kvh_n * width) {
-          unpack<B, D>(codes, row.data(), d);
-          if (TIERED && pos >= nm) refine<D>(band + band_row(pos), row.data(), tmp.data(), d);
-          for (int64_t g = 0; g < a.group; ++g) scores[g * len + pos] = dot<D>(qs.data() + g * d, row.data(), d) + qz[g];
+        while (pos < group_end) {  // kKeys rows at a time: decoded into `rows`, scored together
+          const int count = static_cast<int>(std::min<int64_t>(kKeys, group_end - pos));
+          for (int j = 0; j < count; ++j, codes += kvh_n * width) {
+            unpack<B, D>(codes, rows[j], d);
+            if (TIERED && pos + j >= nm) refine<D>(band + band_row(pos + j), rows[j], tmp.data(), d);
+          }
+          score_rows<D>(rows, count, qs.data(), a.group, scores.data() + pos, len, d);
+          for (int64_t g = 0; g < a.group; ++g)
+            for (int j = 0; j < count; ++j) scores[g * len + pos + j] += qz[g];
+          pos += count;
         }
       }
       // Pass 1b: exact keys from the window.
@@ -156,20 +195,25 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
         widen<D>(sinks + sink_side + pos * kvh_n * d, row.data(), d);
         for (int64_t g = 0; g < a.group; ++g) axpy<D>(scores[g * len + pos], row.data(), acc.data() + g * d, d);
       }
-      // Pass 2a: quantized values, each row dequantized once for the Gq heads.
-      for (int64_t pos = ns; pos < nq; ++pos) {
-        const int64_t blk = table[pos / a.block_size], off = pos % a.block_size;
-        const int64_t index = (blk * a.block_size + off) * kvh_n + kvh;
-        unpack<B, D>(a.v_codes + index * width, row.data(), d);
-        if (TIERED && pos >= nm) refine<D>(band + band_side + band_row(pos), row.data(), tmp.data(), d);
-        const Half* vs = a.v_scales + index * a.value_groups;
-        const Half* vz = a.v_zeros + index * a.value_groups;
-        for (int64_t c = 0; c < a.value_groups; ++c) {
-          const float sc = static_cast<float>(vs[c]), zz = static_cast<float>(vz[c]);
-          float* chunk = row.data() + c * vg;
-          for (int64_t j = 0; j < vg; ++j) chunk[j] = chunk[j] * sc + zz;
+      // Pass 2a: quantized values, each row dequantized once for the Gq heads, kKeys rows at a time.
+      for (int64_t pos = ns; pos < nq;) {
+        const int count = static_cast<int>(std::min<int64_t>(kKeys, nq - pos));
+        for (int j = 0; j < count; ++j) {
+          const int64_t blk = table[(pos + j) / a.block_size], off = (pos + j) % a.block_size;
+          const int64_t index = (blk * a.block_size + off) * kvh_n + kvh;
+          float* row_j = rows[j];
+          unpack<B, D>(a.v_codes + index * width, row_j, d);
+          if (TIERED && pos + j >= nm) refine<D>(band + band_side + band_row(pos + j), row_j, tmp.data(), d);
+          const Half* vs = a.v_scales + index * a.value_groups;
+          const Half* vz = a.v_zeros + index * a.value_groups;
+          for (int64_t c = 0; c < a.value_groups; ++c) {
+            const float sc = static_cast<float>(vs[c]), zz = static_cast<float>(vz[c]);
+            float* chunk = row_j + c * vg;
+            for (int64_t i = 0; i < vg; ++i) chunk[i] = chunk[i] * sc + zz;
+          }
         }
-        for (int64_t g = 0; g < a.group; ++g) axpy<D>(scores[g * len + pos], row.data(), acc.data() + g * d, d);
+        accumulate_rows<D>(rows, count, scores.data() + pos, a.group, len, acc.data(), d);
+        pos += count;
       }
       // Pass 2b: exact values.
       for (int64_t pos = nq; pos < len; ++pos) {
