@@ -31,7 +31,7 @@ def test_spec_canonical_text(text, canonical):
 
 
 @pytest.mark.parametrize("text,needle", [
-    ("int3", "choices: auto, fp8, fp8_e4m3, fp8_e5m2, gear, int4, int8, kivi2, kivi4, turboquant"),
+    ("int3", "choices: auto, fp8, fp8_e4m3, fp8_e5m2, gear, int4, int8, kivi2, kivi4, tiered, turboquant"),
     ("int4:group", "malformed"),
     ("int4:group=", "malformed"),
     ("int4:bits=4", "unknown parameter 'bits'"),

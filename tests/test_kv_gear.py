@@ -32,7 +32,7 @@ def test_spec_defaults_and_canonical_text():
     ("gear:rank=17", "rank=17 is out of range; rank in [0, 1, ..., 16]"),
     ("gear:residual=40", "residual=40 must be a multiple of group=32"),
     ("gear:loop=0", "loop=0 is out of range"),
-    ("gears", "choices: auto, fp8, fp8_e4m3, fp8_e5m2, gear, int4, int8, kivi2, kivi4, turboquant"),
+    ("gears", "choices: auto, fp8, fp8_e4m3, fp8_e5m2, gear, int4, int8, kivi2, kivi4, tiered, turboquant"),
 ])
 def test_bad_gear_specs_raise_with_the_choices(text, needle):
     with pytest.raises(ThreefoldError, match="kv_cache_dtype") as err:

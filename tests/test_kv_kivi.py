@@ -25,7 +25,7 @@ def test_spec_defaults_and_canonical_text():
 
 
 @pytest.mark.parametrize("text,needle", [
-    ("kivi3", "choices: auto, fp8, fp8_e4m3, fp8_e5m2, gear, int4, int8, kivi2, kivi4, turboquant"),
+    ("kivi3", "choices: auto, fp8, fp8_e4m3, fp8_e5m2, gear, int4, int8, kivi2, kivi4, tiered, turboquant"),
     ("kivi2:group=12", "out of range; group in [8, 16, 32, 64, 128]"),
     ("kivi2:residual=40", "residual=40 must be a multiple of group=32"),
     ("kivi4:residual=-8", "out of range; residual in [0, 8, ..., 1024]"),

@@ -110,6 +110,19 @@ def test_bytes_counted_for_blocks_band_and_sinks():
     assert shape.bytes_per_slot(3, 64, torch.bfloat16) == 30 * 2 * 3 * ((160 + 4) * 64 * 2 + 672 * 16)
 
 
+def test_capacity_rows_set_the_band_and_sinks_aside():
+    from types import SimpleNamespace
+
+    from threefold.kv.capacity import capacity_rows
+
+    config = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    kivi2, tiered = capacity_rows(config, 256 << 20, codecs=("kivi2", "tiered"), max_model_len=4096)
+    assert tiered["bytes_per_token"] == kivi2["bytes_per_token"] == 4320  # the blocks are kivi2 blocks
+    assert tiered["window_bytes_per_seq"] == kivi2["window_bytes_per_seq"] + 30 * 2 * 3 * (4 * 64 * 2 + 672 * 16)
+    assert tiered["max_num_seqs"] < kivi2["max_num_seqs"]  # the band's bytes bound how many run at once
+    assert tiered["capacity_tokens"] // 4096 >= tiered["max_num_seqs"]
+
+
 # ---- the age rules -----------------------------------------------------------------------------
 def _reference(codec, q, k, v, bs, start=0):
     """Row p of a sequence read token by token: keys at nq = max(start, floor_B(p + 1 - R)) and above
