@@ -5,6 +5,9 @@ speculative drafts). Running requests go first, in priority order; when the
 pool runs dry the lowest-priority running request (the tail, never one
 already scheduled this step) is preempted by recompute. Waiting requests are
 admitted, prefix-cache hits first skipped, only if nobody was preempted.
+With `max_prefill_tokens` (`threefold serve`: 512), online prompt chunks also share that smaller budget
+whenever another request waits or runs, so a burst's first prompts get their first token a step or
+three sooner instead of all at the end of one long step.
 
 With KV offload tiers (External KV, core/external_kv.py), a waiting request whose prefix sits in a slow
 tier waits in `loading` while the reads run in the background; a preempted request's blocks are swapped
