@@ -71,3 +71,16 @@ def test_a_drifted_default_is_caught():
     defaults = {**config_defaults(), "max_num_batched_tokens": 4096}
     del defaults["block_size"]
     assert drifted(defaults) == ["block_size", "max_num_batched_tokens"]
+
+
+def test_serve_caps_prefill_per_step_unless_told_and_the_others_do_not():
+    """`threefold serve` alone steps SERVING_PREFILL_TOKENS prompt tokens at a time (a burst's first
+    prompts reach their first token sooner); an explicit --max-prefill-tokens wins; generate keeps none."""
+    from threefold.cli import engine_args_from
+    from threefold.config import SERVING_PREFILL_TOKENS
+    from threefold.server.cli import serving_engine_args
+
+    parser = build_parser()
+    assert serving_engine_args(parser.parse_args(["serve"])).max_prefill_tokens == SERVING_PREFILL_TOKENS
+    assert serving_engine_args(parser.parse_args(["serve", "--max-prefill-tokens", "64"])).max_prefill_tokens == 64
+    assert engine_args_from(parser.parse_args(["generate"])).max_prefill_tokens is None

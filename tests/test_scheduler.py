@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from threefold.config import SchedulerConfig
 from threefold.core.kv_cache_manager import KVCacheManager
 from threefold.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -13,9 +15,9 @@ BLOCK = 4
 EOS = 0
 
 
-def make(num_blocks=32, budget=8, max_seqs=8, caching=True) -> Scheduler:
+def make(num_blocks=32, budget=8, max_seqs=8, caching=True, max_prefill=None) -> Scheduler:
     kv = KVCacheManager(num_blocks, BLOCK, "m", enable_caching=caching)
-    return Scheduler(SchedulerConfig(max_seqs, budget), kv, max_model_len=64)
+    return Scheduler(SchedulerConfig(max_seqs, budget, max_prefill_tokens=max_prefill), kv, max_model_len=64)
 
 
 def req(request_id: str, num_tokens: int, max_tokens=4, priority=0, arrival=0.0, start=1) -> Request:
@@ -165,3 +167,51 @@ def test_rejected_drafts_blocks_are_freed_and_the_runner_told():
     assert s.schedule().trimmed_blocks == {"a": 3}
     s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert pool.num_free_blocks == 31
+
+
+def test_a_burst_is_prefilled_a_few_prompts_a_step_while_decodes_ride_along():
+    """max_prefill_tokens: six 4-token prompts at once, 8 prompt tokens a step: the first two reach their
+    first token after one step instead of all six after one big step; decodes never count against the cap."""
+    s = make(num_blocks=64, budget=64, max_prefill=8)
+    for i in range(6):
+        s.add_request(req(f"r{i}", 4, max_tokens=8, arrival=i, start=10 * i + 1))
+    steps = [run_step(s).num_scheduled_tokens for _ in range(4)]
+    assert steps == [{"r0": 4, "r1": 4},
+                     {"r0": 1, "r1": 1, "r2": 4, "r3": 4},
+                     {"r0": 1, "r1": 1, "r2": 1, "r3": 1, "r4": 4, "r5": 4},
+                     {f"r{i}": 1 for i in range(6)}]
+
+
+def test_without_the_cap_the_burst_is_one_step():
+    s = make(num_blocks=64, budget=64)
+    for i in range(6):
+        s.add_request(req(f"r{i}", 4, max_tokens=8, arrival=i, start=10 * i + 1))
+    assert run_step(s).num_scheduled_tokens == {f"r{i}": 4 for i in range(6)}
+
+
+def test_the_cap_chunks_a_long_prompt_beside_decodes_but_not_a_prompt_alone():
+    s = make(num_blocks=64, budget=64, max_prefill=8)
+    s.add_request(req("long", 20, max_tokens=4))
+    assert run_step(s).num_scheduled_tokens == {"long": 20}  # alone: cutting it would only delay it
+    s.add_request(req("next", 20, max_tokens=4, start=100))
+    steps = [run_step(s).num_scheduled_tokens for _ in range(3)]
+    assert steps == [{"long": 1, "next": 8}, {"long": 1, "next": 8}, {"long": 1, "next": 4}]
+    assert s.requests["next"].output_token_ids == [7]
+
+
+def test_a_recompute_after_preemption_counts_as_prefill():
+    s = make(num_blocks=5, budget=64, caching=False)
+    s.add_request(req("a", 7, max_tokens=6, arrival=1))
+    s.add_request(req("b", 7, max_tokens=6, arrival=2, start=50))
+    for _ in range(3):
+        run_step(s)
+    assert s.requests["b"].status == RequestStatus.PREEMPTED  # with 2 outputs: 9 tokens to recompute
+    while s.requests.get("a"):
+        run_step(s)
+    s.add_request(req("c", 2, max_tokens=2, arrival=3, start=90))
+    s.config = dataclasses.replace(s.config, max_prefill_tokens=4)
+    out = run_step(s)
+    assert out.num_scheduled_tokens == {"b": 4}  # the cap is spent on b's recompute; c waits
+    assert [c.resumed_from_preemption for c in out.scheduled_cached_reqs] == [True]
+    assert run_step(s).num_scheduled_tokens == {"b": 4}
+    assert run_step(s).num_scheduled_tokens == {"b": 1, "c": 2}  # b's last token is not a prompt chunk

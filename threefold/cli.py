@@ -7,7 +7,14 @@ import os
 import sys
 import uuid
 
-from threefold.config import DTYPES, SCHEDULING_POLICIES, CacheConfig, ModelConfig, SchedulerConfig
+from threefold.config import (
+    DTYPES,
+    SCHEDULING_POLICIES,
+    SERVING_PREFILL_TOKENS,
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from threefold.env import Env
 from threefold.errors import ThreefoldError
 
@@ -23,6 +30,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens,
                         help="tokens per step: prefill chunks and decodes together")
+    parser.add_argument("--max-prefill-tokens", type=int, default=sched.max_prefill_tokens,
+                        help="most prompt tokens per step while other requests wait or run "
+                             f"(default: {SERVING_PREFILL_TOKENS} for serve, no cap elsewhere)")
     parser.add_argument("--scheduling-policy", default=sched.scheduling_policy, choices=SCHEDULING_POLICIES,
                         help="hybrid: online first, offline (batch) work fills the latency budget left; "
                              "fcfs: offline mixes in like online")
@@ -70,7 +80,7 @@ def engine_args_from(ns: argparse.Namespace):
     offload = OffloadConfig.from_args(ns)
     return EngineArgs(model=ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len,
                       kv_cache_memory=ns.kv_cache_memory, block_size=ns.block_size, max_num_seqs=ns.max_num_seqs,
-                      max_num_batched_tokens=ns.max_num_batched_tokens,
+                      max_num_batched_tokens=ns.max_num_batched_tokens, max_prefill_tokens=ns.max_prefill_tokens,
                       enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed,
                       kv_cache_dtype=ns.kv_cache_dtype, kv_quality_budget=ns.kv_quality_budget,
                       kv_guard_calibration=ns.kv_guard_calibration,

@@ -69,6 +69,12 @@ SCHEDULING_POLICIES = ("hybrid", "fcfs")
 """SchedulerConfig.scheduling_policy's values: hybrid runs online work first and fits offline
 work into the latency budget left; fcfs treats offline requests like online ones (the naive mix)."""
 
+SERVING_PREFILL_TOKENS = 512
+"""SchedulerConfig.max_prefill_tokens when `threefold serve` is given none. Where the prompts of a burst
+reach their first token matters there; LLM() and generate run whole batches, where only the total time
+counts, and keep the largest steps (vLLM's CPU defaults likewise size its LLM class's steps above its API
+server's)."""
+
 MAX_ONLINE_SLOWDOWN = 10.0
 """online_slowdown's ceiling: offline may make a step at most 11x as long as online alone (past that the
 ITL SLO cap binds anyway)."""
@@ -99,6 +105,12 @@ class SchedulerConfig:
     """Most requests running at once."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step: prefill chunks and decodes share it."""
+    max_prefill_tokens: int | None = None
+    """Most prompt tokens one step computes for online requests while another request waits or runs (None:
+    the front door's default: SERVING_PREFILL_TOKENS for `threefold serve`, no cap for LLM() and generate).
+    Prefill is compute-bound from a few dozen rows up on a CPU, so a 2048-token step of 20 short prompts
+    costs 4x a 512-token one and hands every one of them its first token only at its end: capped, the
+    first prompts of a burst finish a step or three sooner and decodes wait less, for the same work."""
     scheduling_policy: str = "hybrid"
     """hybrid: online first, offline fills the latency budget left; fcfs: offline mixes in like online."""
     online_ttft_slo: float = 1.0
@@ -122,6 +134,8 @@ class SchedulerConfig:
         _require(self.max_num_batched_tokens >= 1,
                  f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.",
                  "max_num_batched_tokens")
+        _require(self.max_prefill_tokens is None or self.max_prefill_tokens >= 1,
+                 f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}.", "max_prefill_tokens")
         _require(self.scheduling_policy in SCHEDULING_POLICIES,
                  f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}.",
                  "scheduling_policy")

@@ -5,6 +5,9 @@ speculative drafts). Running requests go first, in priority order; when the
 pool runs dry the lowest-priority running request (the tail, never one
 already scheduled this step) is preempted by recompute. Waiting requests are
 admitted, prefix-cache hits first skipped, only if nobody was preempted.
+With `max_prefill_tokens` (`threefold serve`: 512), online prompt chunks also share that smaller budget
+whenever another request waits or runs, so a burst's first prompts get their first token a step or
+three sooner instead of all at the end of one long step.
 
 With KV offload tiers (External KV, core/external_kv.py), a waiting request whose prefix sits in a slow
 tier waits in `loading` while the reads run in the background; a preempted request's blocks are swapped
@@ -64,8 +67,10 @@ class SchedulerStats:
 class _StepPlan:
     """What one schedule() call has decided so far."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, prefill_budget: int | None = None) -> None:
         self.budget = budget
+        self.prefill_budget = prefill_budget
+        """Prompt tokens online requests may still take this step (max_prefill_tokens); None: no cap."""
         self.new: list[NewRequestData] = []
         self.cached: list[CachedRequestData] = []
         self.num_tokens: dict[str, int] = {}
@@ -81,6 +86,18 @@ class _StepPlan:
 
     def grant(self, request: Request, num_new: int) -> int:
         return num_new if self.offline is None else self.offline.grant(request, num_new)
+
+    def prefill_room(self, request: Request, num_computed: int) -> int | None:
+        """The prompt tokens a chunk of `request` may still take this step; None: it is not capped. Online
+        requests with more than their next token to compute (a prompt, or a recompute after preemption)
+        share prefill_budget; decodes and their drafts never count against it."""
+        if self.prefill_budget is None or request.class_rank != 0 or request.num_tokens - num_computed <= 1:
+            return None
+        return self.prefill_budget
+
+    def limit_prefill(self, request: Request, num_computed: int, num_new: int) -> int:
+        room = self.prefill_room(request, num_computed)
+        return num_new if room is None else min(num_new, room)
 
 
 class Scheduler:
@@ -205,7 +222,9 @@ class Scheduler:
 
     # ---- scheduling --------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(self.config.max_num_batched_tokens)
+        # The prefill cap only ever delays the request it cuts: it pays when another one waits or runs.
+        alone = len(self.running) + len(self.waiting) <= 1
+        plan = _StepPlan(self.config.max_num_batched_tokens, None if alone else self.config.max_prefill_tokens)
         if self.loads is not None and self.loads.loading:
             for request in self.loads.finish(plan.load):  # back in line, holding the blocks that arrived
                 bisect.insort(self.waiting, request, key=Request.sort_key)
@@ -292,7 +311,8 @@ class Scheduler:
             if request.request_id in plan.num_tokens:  # an offline decode, scheduled first
                 index += 1
                 continue
-            num_new = plan.grant(request, self._num_new_tokens(request, plan.budget))
+            num_new = plan.grant(request, plan.limit_prefill(request, request.num_computed_tokens,
+                                                             self._num_new_tokens(request, plan.budget)))
             if num_new <= 0:
                 if plan.offline is not None and plan.offline.exhausted:
                     return
@@ -323,6 +343,9 @@ class Scheduler:
     def _commit(self, request: Request, num_new: int, plan: _StepPlan) -> None:
         plan.num_tokens[request.request_id] = num_new
         plan.budget -= num_new
+        room = plan.prefill_room(request, request.num_computed_tokens)
+        if room is not None:
+            plan.prefill_budget = room - num_new
         if plan.offline is None:  # the offline budget adds its own grants to the shape
             plan.shape.add(num_new, request.num_computed_tokens)
         if request.is_offline:
@@ -360,7 +383,9 @@ class Scheduler:
         loaded this step; False (nothing changed) when the budget or the pool says no."""
         num_external = len(external) * self.kv.block_size
         num_resumed = num_hit + num_external
-        num_new = min(request.num_tokens - num_resumed, plan.budget)
+        num_new = plan.limit_prefill(request, num_resumed, min(request.num_tokens - num_resumed, plan.budget))
+        if num_new <= 0:
+            return False  # this step's prompt tokens are spent
         if plan.offline is not None:
             # Granted against the state it resumes from (num_resumed computed).
             computed, request.num_computed_tokens = request.num_computed_tokens, num_resumed

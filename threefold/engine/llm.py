@@ -29,6 +29,7 @@ class LLM:
                  max_model_len: int | None = _DEFAULTS.max_model_len,
                  kv_cache_memory: int | None = _DEFAULTS.kv_cache_memory, max_num_seqs: int = _DEFAULTS.max_num_seqs,
                  max_num_batched_tokens: int = _DEFAULTS.max_num_batched_tokens,
+                 max_prefill_tokens: int | None = _DEFAULTS.max_prefill_tokens,
                  enable_prefix_caching: bool = _DEFAULTS.enable_prefix_caching, seed: int = _DEFAULTS.seed,
                  block_size: int = _DEFAULTS.block_size, device: str = _DEFAULTS.device,
                  kv_cache_dtype: str = _DEFAULTS.kv_cache_dtype,
@@ -51,7 +52,7 @@ class LLM:
             kv_offload_redis=kv_offload_redis, kv_offload_codec=kv_offload_codec)
         args = EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                           block_size=block_size, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens,
+                          max_num_batched_tokens=max_num_batched_tokens, max_prefill_tokens=max_prefill_tokens,
                           enable_prefix_caching=enable_prefix_caching, seed=seed, device=device,
                           kv_cache_dtype=kv_cache_dtype, kv_quality_budget=kv_quality_budget,
                           kv_guard_calibration=kv_guard_calibration, speculative_config=speculative_config,

@@ -43,6 +43,7 @@ class EngineArgs:
     block_size: int = _CACHE.block_size
     max_num_seqs: int = _SCHED.max_num_seqs
     max_num_batched_tokens: int = _SCHED.max_num_batched_tokens
+    max_prefill_tokens: int | None = _SCHED.max_prefill_tokens
     scheduling_policy: str = _SCHED.scheduling_policy
     online_ttft_slo: float | str = _SCHED.online_ttft_slo
     online_itl_slo: float | str = _SCHED.online_itl_slo
@@ -70,7 +71,8 @@ class EngineArgs:
         return (ModelConfig(self.model, self.dtype, self.max_model_len, self.seed),
                 CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching, self.kv_cache_dtype,
                             self.kv_quality_budget, self.kv_guard_calibration),
-                SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling_policy,
+                SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_prefill_tokens,
+                                self.scheduling_policy,
                                 self.online_ttft_slo, self.online_itl_slo,  # type: ignore[arg-type]  # parsed there
                                 self.offline_min_share, self.max_offline_queued_tokens, self.online_slowdown))
 

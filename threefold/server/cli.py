@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import math
 import signal
@@ -20,9 +21,11 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from threefold.cli import add_engine_args, engine_args_from, quiet_openmp
+from threefold.config import SERVING_PREFILL_TOKENS
 from threefold.errors import ThreefoldError
 
 if TYPE_CHECKING:  # the app's modules load torch: `threefold serve --help` stays fast without them
+    from threefold.engine.llm_engine import EngineArgs
     from threefold.server.serving_common import ServerState
 
 logger = logging.getLogger("threefold.server")
@@ -122,11 +125,19 @@ def build_server(args: argparse.Namespace) -> DrainingServer:
                           batch_dir=_batch_dir(args), batch_dir_is_default=args.batch_dir is None,
                           batch_max_inflight_tokens=args.batch_max_inflight_tokens,
                           cost_per_hour=args.cost_per_hour, usage_ledger=args.usage_ledger)
-    engine = LLMEngine.from_args(engine_args_from(args))
+    engine = LLMEngine.from_args(serving_engine_args(args))
     state = make_state(engine, config)
     uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                timeout_graceful_shutdown=5, lifespan="off")
     return DrainingServer(uv_config, state, args.shutdown_timeout)
+
+
+def serving_engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The engine as served: without --max-prefill-tokens, steps take SERVING_PREFILL_TOKENS prompt tokens."""
+    engine_args = engine_args_from(args)
+    if engine_args.max_prefill_tokens is None:
+        engine_args = dataclasses.replace(engine_args, max_prefill_tokens=SERVING_PREFILL_TOKENS)
+    return engine_args
 
 
 def _batch_dir(args: argparse.Namespace) -> str | None:
