@@ -16,6 +16,7 @@ they finish, so the cell is a steady state (a finished request's slot goes to th
 prompt) rather than one batch's makespan, which speculation can only lengthen.
 
     tok/s        output tokens / wall time of the whole run
+    mean k       draft tokens / drafts: the speculation length the (adaptive) controller chose
     accept len   1 + accepted / drafts: tokens per verify step (vLLM's mean acceptance length)
     per pos      acceptance rate of draft position 1, 2, ...
     ITL p50/p99  gaps between successive outputs of a request (a verify emitting several
@@ -99,7 +100,7 @@ def run(engine: LLMEngine, prompts: list[str], concurrency: int, max_tokens: int
     return {"tok_s": num_tokens / wall, "tokens": num_tokens, "wall_s": wall, "steps": num_steps,
             "emitting_steps_per_request": statistics.mean(emitting.values()) if emitting else None,
             "tokens_per_request": num_tokens / len(emitting) if emitting else None,
-            "accept_len": 1 + accepted / drafts if drafts else None,
+            "accept_len": 1 + accepted / drafts if drafts else None, "drafts": drafts,
             "draft_tokens": after.spec_num_draft_tokens - before.spec_num_draft_tokens,
             "per_pos": ([round((a - b) / drafts, 3) for a, b in zip(per_pos_after, per_pos_before, strict=False)]
                         if drafts else []),
@@ -167,7 +168,8 @@ class TransformersPair:
         wall = time.perf_counter() - start
         return {"tok_s": num_tokens / wall, "tokens": num_tokens, "wall_s": wall, "steps": None,
                 "emitting_steps_per_request": None, "tokens_per_request": num_tokens / len(prompt_ids),
-                "accept_len": None, "draft_tokens": 0, "per_pos": [], "itl_p50_ms": None, "itl_p99_ms": None}
+                "accept_len": None, "drafts": 0, "draft_tokens": 0, "per_pos": [], "itl_p50_ms": None,
+                "itl_p99_ms": None}
 
 
 def main() -> None:
@@ -236,9 +238,9 @@ def main() -> None:
 def summarize(results: list[dict], peer_dtype: str | None = None) -> str:
     """A markdown table: median over rounds, each config's tok/s as a ratio of off in the same cell
     (transformers' rows as a ratio of off too; hf-assisted also of hf, its own plain decoding)."""
-    rows = [("| workload | conc | config | tok/s | x off | accept len | per pos | ITL p50 ms | ITL p99 ms | steps "
-            "| steps emitting / request | tokens / request |"),
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [("| workload | conc | config | tok/s | x off | accept len | mean k | per pos | ITL p50 ms | ITL p99 ms "
+             "| steps | steps emitting / request | tokens / request |"),
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     cells: dict[tuple, list[dict]] = {}
     for r in results:
         cells.setdefault((r["workload"], r["concurrency"], r["config"]), []).append(r)
@@ -251,9 +253,11 @@ def summarize(results: list[dict], peer_dtype: str | None = None) -> str:
         if name == "hf-assisted":
             plain = statistics.median(r["tok_s"] for r in cells[(workload, conc, "hf")])
             label = f"transformers {peer_dtype} assisted ({tok_s / plain:.2f}x plain)"
+        mean_k = last["draft_tokens"] / last["drafts"] if last.get("drafts") else None
         rows.append(f"| {workload} | {conc} | {label} | {tok_s:.1f} | {tok_s / off:.2f} | {fmt(last['accept_len'])} "
-                    f"| {last['per_pos']} | {fmt(last['itl_p50_ms'])} | {fmt(last['itl_p99_ms'])} | {last['steps']} "
-                    f"| {fmt(last['emitting_steps_per_request'])} | {fmt(last['tokens_per_request'])} |")
+                    f"| {fmt(mean_k)} | {last['per_pos']} | {fmt(last['itl_p50_ms'])} | {fmt(last['itl_p99_ms'])} "
+                    f"| {last['steps']} | {fmt(last['emitting_steps_per_request'])} "
+                    f"| {fmt(last['tokens_per_request'])} |")
     return "\n".join(rows)
 
 
