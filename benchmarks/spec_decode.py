@@ -27,7 +27,9 @@ controller off (always K). `draft` is the draft model (--draft-model) with the t
 --peers adds, at batch 1, transformers on the same pair (the GGUFs converted to HF directories by
 `threefold bench peers convert`), plain `generate` and assisted `generate(assistant_model=draft)`
 (its default assistant settings), greedy, the same prompt ids and max tokens, in this process
-(the same torch and threads), interleaved with the engines round by round.
+(the same torch and threads), interleaved with the engines round by round. --vllm adds vLLM CPU
+plain and with the same draft model (`benchmarks/spec_vllm.py`, in the vLLM peer venv), batch 1,
+before the engines are built, its configurations one after another in their own process.
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import platform
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -172,6 +177,30 @@ class TransformersPair:
                 "itl_p99_ms": None}
 
 
+def vllm_cells(target: str, draft: str, k: int, prompt_ids: list[list[int]], max_tokens: int,
+               rounds: int) -> list[dict]:
+    """vLLM CPU plain and with `draft` drafting k tokens, through benchmarks/spec_vllm.py in the peer venv."""
+    from threefold.bench.peers import best_dtype, convert, venv_python
+
+    spec = {"model": str(convert(target)), "dtype": best_dtype("auto"), "prompt_ids": prompt_ids,
+            "max_tokens": max_tokens, "rounds": rounds,
+            "configs": {"vllm": None, "vllm-draft": {"method": "draft_model", "model": str(convert(draft)),
+                                                     "num_speculative_tokens": k}}}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(spec, f)
+        f.flush()
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{len(os.sched_getaffinity(0)) - 1}",
+               "VLLM_CPU_KVCACHE_SPACE": "1"}
+        proc = subprocess.run([str(venv_python("vllm")), str(Path(__file__).with_name("spec_vllm.py")), f.name],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+    lines = proc.stdout.splitlines()
+    cells = [json.loads(line.removeprefix("RESULT ")) for line in lines if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not cells:
+        print("\n".join(lines[-30:]))
+        print(f"vLLM peer failed (exit {proc.returncode})")
+    return cells
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="the target")
@@ -191,15 +220,28 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--peers", action="store_true",
                         help="add transformers plain and assisted generation (--model + --draft-model), batch 1")
+    parser.add_argument("--vllm", action="store_true",
+                        help="add vLLM CPU plain and with --draft-model (k = --k), batch 1, its own process")
+    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV per engine")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     loaded = load_model(args.model, dtype=args.dtype)
     loaders = {"humaneval": lambda: humaneval_prompts(args.num_prompts),
                "sharegpt": lambda: sharegpt_prompts(loaded.tokenizer, args.num_prompts)}
     workloads = {name: loaders[name]() for name in args.workloads.split(",")}
-    engines = {name: LLMEngine(loaded, EngineArgs(dtype=args.dtype, kv_cache_memory=1 << 30, max_model_len=2048,
+    results = []
+    for workload, prompts in workloads.items():  # first, while this process holds only the target's weights
+        if args.vllm and "1" in args.concurrency.split(","):
+            for result in vllm_cells(args.model, args.draft_model, args.k,
+                                     [loaded.tokenizer.encode(p) for p in prompts[: args.batch1_prompts]],
+                                     args.max_tokens, args.rounds):
+                result.update(workload=workload, concurrency=1, num_prompts=args.batch1_prompts)
+                results.append(result)
+                print(json.dumps(result), flush=True)
+    engines = {name: LLMEngine(loaded, EngineArgs(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+                                                  max_model_len=2048,
                                                   enable_prefix_caching=False, speculative_config=config))
-               for name, config in configs(args.methods.split(","), args.heads_dir, args.k,
+               for name, config in configs([m for m in args.methods.split(",") if m], args.heads_dir, args.k,
                                            {"eagle": args.eagle_heads}, args.draft_model).items()}
     peers = TransformersPair(args.model, args.draft_model) if args.peers else None
     warmup = next(iter(workloads.values()))[:4]
@@ -208,7 +250,6 @@ def main() -> None:
     if peers:
         for assisted in (False, True):
             peers.run([loaded.tokenizer.encode(p) for p in warmup[:1]], assisted, 8)
-    results = []
     for workload, prompts in workloads.items():
         for concurrency in map(int, args.concurrency.split(",")):
             subset = prompts[: args.batch1_prompts] if concurrency == 1 else prompts[: concurrency * args.waves]
@@ -237,7 +278,7 @@ def main() -> None:
 
 def summarize(results: list[dict], peer_dtype: str | None = None) -> str:
     """A markdown table: median over rounds, each config's tok/s as a ratio of off in the same cell
-    (transformers' rows as a ratio of off too; hf-assisted also of hf, its own plain decoding)."""
+    (the peers' rows as a ratio of off too; hf-assisted also of hf, vllm-draft of vllm: their own plain)."""
     rows = [("| workload | conc | config | tok/s | x off | accept len | mean k | per pos | ITL p50 ms | ITL p99 ms "
              "| steps | steps emitting / request | tokens / request |"),
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -249,10 +290,11 @@ def summarize(results: list[dict], peer_dtype: str | None = None) -> str:
         off = statistics.median(r["tok_s"] for r in cells[(workload, conc, "off")])
         last = runs[-1]
         fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-        label = {"hf": f"transformers {peer_dtype}"}.get(name, name)
-        if name == "hf-assisted":
-            plain = statistics.median(r["tok_s"] for r in cells[(workload, conc, "hf")])
-            label = f"transformers {peer_dtype} assisted ({tok_s / plain:.2f}x plain)"
+        label = {"hf": f"transformers {peer_dtype}", "vllm": "vLLM CPU"}.get(name, name)
+        if name in ("hf-assisted", "vllm-draft"):
+            plain = statistics.median(r["tok_s"] for r in cells[(workload, conc, name.split("-")[0])])
+            label = {"hf-assisted": f"transformers {peer_dtype} assisted", "vllm-draft": "vLLM CPU draft model"}[name]
+            label += f" ({tok_s / plain:.2f}x plain)"
         mean_k = last["draft_tokens"] / last["drafts"] if last.get("drafts") else None
         rows.append(f"| {workload} | {conc} | {label} | {tok_s:.1f} | {tok_s / off:.2f} | {fmt(last['accept_len'])} "
                     f"| {fmt(mean_k)} | {last['per_pos']} | {fmt(last['itl_p50_ms'])} | {fmt(last['itl_p99_ms'])} "
