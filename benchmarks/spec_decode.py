@@ -147,15 +147,16 @@ def configs(methods: list[str], heads_dir: Path, k: int, heads: dict[str, str] |
 
 
 class TransformersPair:
-    """transformers on the same pair: plain greedy `generate` and assisted generation with the draft."""
+    """transformers on the same pair: plain greedy `generate` and assisted generation with the draft,
+    stopping at the engine's end-of-sequence ids (the converted config names only one of them)."""
 
-    def __init__(self, target: str, draft: str) -> None:
+    def __init__(self, target: str, draft: str, eos_token_ids: list[int]) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
         from threefold.bench.peers import best_dtype, convert
 
-        self.dtype = best_dtype("auto")
+        self.dtype, self.eos_token_ids = best_dtype("auto"), eos_token_ids
         load = lambda name: AutoModelForCausalLM.from_pretrained(  # noqa: E731
             convert(name), dtype=getattr(torch, self.dtype)).eval()
         self.target, self.draft = load(target), load(draft)
@@ -168,7 +169,8 @@ class TransformersPair:
             x = torch.tensor([ids])
             with torch.inference_mode():
                 out = self.target.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
-                                           do_sample=False, assistant_model=self.draft if assisted else None)
+                                           do_sample=False, assistant_model=self.draft if assisted else None,
+                                           eos_token_id=self.eos_token_ids, pad_token_id=self.eos_token_ids[0])
             num_tokens += out.shape[1] - len(ids)
         wall = time.perf_counter() - start
         return {"tok_s": num_tokens / wall, "tokens": num_tokens, "wall_s": wall, "steps": None,
@@ -243,7 +245,7 @@ def main() -> None:
                                                   enable_prefix_caching=False, speculative_config=config))
                for name, config in configs([m for m in args.methods.split(",") if m], args.heads_dir, args.k,
                                            {"eagle": args.eagle_heads}, args.draft_model).items()}
-    peers = TransformersPair(args.model, args.draft_model) if args.peers else None
+    peers = TransformersPair(args.model, args.draft_model, list(loaded.eos_token_ids)) if args.peers else None
     warmup = next(iter(workloads.values()))[:4]
     for engine in engines.values():  # first-call costs (weight packing, page faults) land outside every cell
         run(engine, warmup, len(warmup), 8)

@@ -139,7 +139,8 @@ class SpecDecoder:
         drafts = self.proposer.propose([DraftRequest(c.request_id, c.token_ids, k, c.hidden(), c.hidden_start)
                                         for c, k in asked])
         if self.controller is not None:  # the proposer's own cost per drafted token, measured
-            self.controller.observe_draft_cost(sum(k for _, k in asked), time.perf_counter() - start)
+            seconds = time.perf_counter() - start - self.proposer.catch_up_seconds
+            self.controller.observe_draft_cost(sum(k for _, k in asked), seconds)
         return {c.request_id: d if d.is_tree else Draft(d.token_ids[:k])
                 for (c, k), d in zip(asked, drafts, strict=False) if d.token_ids}
 
