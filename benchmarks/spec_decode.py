@@ -3,19 +3,33 @@
     flock /tmp/threefold-bench.lock .venv/bin/python benchmarks/spec_decode.py \
         --methods ngram,eagle,eagle-tree,medusa,medusa-tree --heads-dir $THREEFOLD_HOME/heads --out results/spec.json
 
+    # The draft-model pair, batch 1, with transformers plain vs assisted generation in the same run:
+    python benchmarks/spec_decode.py --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b \
+        --methods draft,draft:6,draft:6:fixed,ngram --workloads humaneval --concurrency 1 --peers
+
 For each workload (HumanEval prompts, greedy; ShareGPT *test*-split first turns, chat
 template, greedy) and each concurrency (1, 8, 32: a closed loop keeping that many
 requests in flight), every configuration runs over the same requests, interleaved
 (off, then each method; every other round in reverse order), in one process over one loaded model.
-Batch 1 runs the first 6 prompts; concurrency c runs c x --waves prompts, refilled as
+Batch 1 runs the first --batch1-prompts (6); concurrency c runs c x --waves prompts, refilled as
 they finish, so the cell is a steady state (a finished request's slot goes to the next
 prompt) rather than one batch's makespan, which speculation can only lengthen.
 
     tok/s        output tokens / wall time of the whole run
+    mean k       draft tokens / drafts: the speculation length the (adaptive) controller chose
     accept len   1 + accepted / drafts: tokens per verify step (vLLM's mean acceptance length)
     per pos      acceptance rate of draft position 1, 2, ...
     ITL p50/p99  gaps between successive outputs of a request (a verify emitting several
                  tokens at once is one output, as a streaming client sees it)
+
+A method is NAME[:K][:fixed]: `draft:6` drafts up to 6 tokens, `:fixed` turns the adaptive
+controller off (always K). `draft` is the draft model (--draft-model) with the target's tokenizer.
+--peers adds, at batch 1, transformers on the same pair (the GGUFs converted to HF directories by
+`threefold bench peers convert`), plain `generate` and assisted `generate(assistant_model=draft)`
+(its default assistant settings), greedy, the same prompt ids and max tokens, in this process
+(the same torch and threads), interleaved with the engines round by round. --vllm adds vLLM CPU
+plain and with the same draft model (`benchmarks/spec_vllm.py`, in the vLLM peer venv), batch 1,
+before the engines are built, its configurations one after another in their own process.
 """
 
 from __future__ import annotations
@@ -23,8 +37,11 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import platform
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -88,7 +105,7 @@ def run(engine: LLMEngine, prompts: list[str], concurrency: int, max_tokens: int
     return {"tok_s": num_tokens / wall, "tokens": num_tokens, "wall_s": wall, "steps": num_steps,
             "emitting_steps_per_request": statistics.mean(emitting.values()) if emitting else None,
             "tokens_per_request": num_tokens / len(emitting) if emitting else None,
-            "accept_len": 1 + accepted / drafts if drafts else None,
+            "accept_len": 1 + accepted / drafts if drafts else None, "drafts": drafts,
             "draft_tokens": after.spec_num_draft_tokens - before.spec_num_draft_tokens,
             "per_pos": ([round((a - b) / drafts, 3) for a, b in zip(per_pos_after, per_pos_before, strict=False)]
                         if drafts else []),
@@ -103,64 +120,157 @@ TREES = {"eagle-tree": {"tree_top_k": 4, "tree_total_tokens": 12},
 """Tree variants (--methods eagle-tree,medusa-tree): verified in one forward with a tree mask."""
 
 
-def configs(methods: list[str], heads_dir: Path, k: int, heads: dict[str, str] | None = None) -> dict[str, dict | None]:
-    """heads: method -> heads directory name under heads_dir (default smollm2-135m-<method>)."""
+def configs(methods: list[str], heads_dir: Path, k: int, heads: dict[str, str] | None = None,
+            draft_model: str = "qwen2.5-coder-0.5b") -> dict[str, dict | None]:
+    """methods: NAME[:K][:fixed] each; heads: method -> heads directory name under heads_dir
+    (default smollm2-135m-<method>)."""
     out: dict[str, dict | None] = {"off": None}
-    for name in methods:
-        method = name.removesuffix("-tree")
+    for spec in methods:
+        name, *options = spec.split(":")
+        method = {"draft": "draft_model"}.get(name.removesuffix("-tree"), name.removesuffix("-tree"))
         config = {"method": method, "num_speculative_tokens": k, **TREES.get(name, {})}
+        if options and options[0] != "fixed":
+            config["num_speculative_tokens"] = int(options.pop(0))
+        if options == ["fixed"]:
+            config["adaptive"] = False
+        elif options:
+            raise SystemExit(f"{spec!r}: a method is NAME[:K][:fixed]")
+        if method == "draft_model":
+            config["model"] = draft_model
         if method in ("eagle", "medusa"):
             config["model"] = str(heads_dir / (heads or {}).get(method, f"smollm2-135m-{method}"))
             if not Path(config["model"]).is_dir():
                 print(f"skip {method}: no heads in {config['model']}")
                 continue
-        out[name] = config
+        out[spec] = config
     return out
+
+
+class TransformersPair:
+    """transformers on the same pair: plain greedy `generate` and assisted generation with the draft,
+    stopping at the engine's end-of-sequence ids (the converted config names only one of them)."""
+
+    def __init__(self, target: str, draft: str, eos_token_ids: list[int]) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from threefold.bench.peers import best_dtype, convert
+
+        self.dtype, self.eos_token_ids = best_dtype("auto"), eos_token_ids
+        load = lambda name: AutoModelForCausalLM.from_pretrained(  # noqa: E731
+            convert(name), dtype=getattr(torch, self.dtype)).eval()
+        self.target, self.draft = load(target), load(draft)
+
+    def run(self, prompt_ids: list[list[int]], assisted: bool, max_tokens: int) -> dict:
+        import torch
+
+        num_tokens, start = 0, time.perf_counter()
+        for ids in prompt_ids:
+            x = torch.tensor([ids])
+            with torch.inference_mode():
+                out = self.target.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
+                                           do_sample=False, assistant_model=self.draft if assisted else None,
+                                           eos_token_id=self.eos_token_ids, pad_token_id=self.eos_token_ids[0])
+            num_tokens += out.shape[1] - len(ids)
+        wall = time.perf_counter() - start
+        return {"tok_s": num_tokens / wall, "tokens": num_tokens, "wall_s": wall, "steps": None,
+                "emitting_steps_per_request": None, "tokens_per_request": num_tokens / len(prompt_ids),
+                "accept_len": None, "drafts": 0, "draft_tokens": 0, "per_pos": [], "itl_p50_ms": None,
+                "itl_p99_ms": None}
+
+
+def vllm_cells(target: str, draft: str, k: int, prompt_ids: list[list[int]], max_tokens: int,
+               rounds: int) -> list[dict]:
+    """vLLM CPU plain and with `draft` drafting k tokens, through benchmarks/spec_vllm.py in the peer venv."""
+    from threefold.bench.peers import best_dtype, convert, venv_python
+
+    spec = {"model": str(convert(target)), "dtype": best_dtype("auto"), "prompt_ids": prompt_ids,
+            "max_tokens": max_tokens, "rounds": rounds,
+            "configs": {"vllm": None, "vllm-draft": {"method": "draft_model", "model": str(convert(draft)),
+                                                     "num_speculative_tokens": k}}}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(spec, f)
+        f.flush()
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{len(os.sched_getaffinity(0)) - 1}",
+               "VLLM_CPU_KVCACHE_SPACE": "1"}
+        proc = subprocess.run([str(venv_python("vllm")), str(Path(__file__).with_name("spec_vllm.py")), f.name],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+    lines = proc.stdout.splitlines()
+    cells = [json.loads(line.removeprefix("RESULT ")) for line in lines if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not cells:
+        print("\n".join(lines[-30:]))
+        print(f"vLLM peer failed (exit {proc.returncode})")
+    return cells
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", default="ngram,eagle,medusa")
+    parser.add_argument("--model", default="smollm2-135m", help="the target")
+    parser.add_argument("--methods", default="ngram,eagle,medusa", help="NAME[:K][:fixed], comma-separated")
+    parser.add_argument("--draft-model", default="qwen2.5-coder-0.5b", help="the draft of the `draft` method")
     parser.add_argument("--heads-dir", type=Path, default=Path.home() / ".cache/threefold/heads")
     parser.add_argument("--eagle-heads", default="smollm2-135m-eagle", help="EAGLE head directory under --heads-dir")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--workloads", default="humaneval,sharegpt")
-    parser.add_argument("--num-prompts", type=int, default=128, help="per workload (batch 1 takes the first 6)")
+    parser.add_argument("--num-prompts", type=int, default=128, help="per workload")
+    parser.add_argument("--batch1-prompts", type=int, default=6, help="batch 1 runs the first this many")
     parser.add_argument("--waves", type=int, default=4,
                         help="concurrency c > 1 runs c x waves prompts (at most --num-prompts), c in flight")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--peers", action="store_true",
+                        help="add transformers plain and assisted generation (--model + --draft-model), batch 1")
+    parser.add_argument("--vllm", action="store_true",
+                        help="add vLLM CPU plain and with --draft-model (k = --k), batch 1, its own process")
+    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV per engine")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    loaded = load_model("smollm2-135m", dtype=args.dtype)
+    loaded = load_model(args.model, dtype=args.dtype)
     loaders = {"humaneval": lambda: humaneval_prompts(args.num_prompts),
                "sharegpt": lambda: sharegpt_prompts(loaded.tokenizer, args.num_prompts)}
     workloads = {name: loaders[name]() for name in args.workloads.split(",")}
-    engines = {name: LLMEngine(loaded, EngineArgs(dtype=args.dtype, kv_cache_memory=1 << 30, max_model_len=2048,
+    results = []
+    for workload, prompts in workloads.items():  # first, while this process holds only the target's weights
+        if args.vllm and "1" in args.concurrency.split(","):
+            for result in vllm_cells(args.model, args.draft_model, args.k,
+                                     [loaded.tokenizer.encode(p) for p in prompts[: args.batch1_prompts]],
+                                     args.max_tokens, args.rounds):
+                result.update(workload=workload, concurrency=1, num_prompts=args.batch1_prompts)
+                results.append(result)
+                print(json.dumps(result), flush=True)
+    engines = {name: LLMEngine(loaded, EngineArgs(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+                                                  max_model_len=2048,
                                                   enable_prefix_caching=False, speculative_config=config))
-               for name, config in configs(args.methods.split(","), args.heads_dir, args.k,
-                                                      {"eagle": args.eagle_heads}).items()}
+               for name, config in configs([m for m in args.methods.split(",") if m], args.heads_dir, args.k,
+                                           {"eagle": args.eagle_heads}, args.draft_model).items()}
+    peers = TransformersPair(args.model, args.draft_model, list(loaded.eos_token_ids)) if args.peers else None
     warmup = next(iter(workloads.values()))[:4]
     for engine in engines.values():  # first-call costs (weight packing, page faults) land outside every cell
         run(engine, warmup, len(warmup), 8)
-    results = []
+    if peers:
+        for assisted in (False, True):
+            peers.run([loaded.tokenizer.encode(p) for p in warmup[:1]], assisted, 8)
     for workload, prompts in workloads.items():
         for concurrency in map(int, args.concurrency.split(",")):
-            subset = prompts[:6] if concurrency == 1 else prompts[: concurrency * args.waves]
+            subset = prompts[: args.batch1_prompts] if concurrency == 1 else prompts[: concurrency * args.waves]
+            cells = list(engines) + (["hf", "hf-assisted"] if peers and concurrency == 1 else [])
             for round_index in range(args.rounds):
                 # Every other round runs the configurations in reverse, so each runs as often first as
                 # last (the second engine of a process ran slower: BENCHMARKS "order effect").
-                names = list(engines) if round_index % 2 == 0 else list(engines)[::-1]
+                names = cells if round_index % 2 == 0 else cells[::-1]
                 for name in names:
-                    engine = engines[name]
-                    result = run(engine, subset, concurrency, args.max_tokens)
+                    if name in engines:
+                        result = run(engines[name], subset, concurrency, args.max_tokens)
+                    else:
+                        result = peers.run([loaded.tokenizer.encode(p) for p in subset],  # type: ignore[union-attr]
+                                           name == "hf-assisted", args.max_tokens)
                     result.update(workload=workload, concurrency=concurrency, config=name, round=round_index,
                                   num_prompts=len(subset))
                     results.append(result)
                     print(json.dumps(result), flush=True)
-    summary = summarize(results)
+    summary = summarize(results, peers.dtype if peers else None)
     print(summary)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -168,11 +278,12 @@ def main() -> None:
         args.out.write_text(json.dumps(record, indent=1, default=str))
 
 
-def summarize(results: list[dict]) -> str:
-    """A markdown table: median over rounds, each config's tok/s as a ratio of off in the same cell."""
-    rows = [("| workload | conc | config | tok/s | x off | accept len | per pos | ITL p50 ms | ITL p99 ms | steps "
-            "| steps emitting / request | tokens / request |"),
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def summarize(results: list[dict], peer_dtype: str | None = None) -> str:
+    """A markdown table: median over rounds, each config's tok/s as a ratio of off in the same cell
+    (the peers' rows as a ratio of off too; hf-assisted also of hf, vllm-draft of vllm: their own plain)."""
+    rows = [("| workload | conc | config | tok/s | x off | accept len | mean k | per pos | ITL p50 ms | ITL p99 ms "
+             "| steps | steps emitting / request | tokens / request |"),
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     cells: dict[tuple, list[dict]] = {}
     for r in results:
         cells.setdefault((r["workload"], r["concurrency"], r["config"]), []).append(r)
@@ -181,9 +292,16 @@ def summarize(results: list[dict]) -> str:
         off = statistics.median(r["tok_s"] for r in cells[(workload, conc, "off")])
         last = runs[-1]
         fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-        rows.append(f"| {workload} | {conc} | {name} | {tok_s:.1f} | {tok_s / off:.2f} | {fmt(last['accept_len'])} "
-                    f"| {last['per_pos']} | {fmt(last['itl_p50_ms'])} | {fmt(last['itl_p99_ms'])} | {last['steps']} "
-                    f"| {fmt(last['emitting_steps_per_request'])} | {fmt(last['tokens_per_request'])} |")
+        label = {"hf": f"transformers {peer_dtype}", "vllm": "vLLM CPU"}.get(name, name)
+        if name in ("hf-assisted", "vllm-draft"):
+            plain = statistics.median(r["tok_s"] for r in cells[(workload, conc, name.split("-")[0])])
+            label = {"hf-assisted": f"transformers {peer_dtype} assisted", "vllm-draft": "vLLM CPU draft model"}[name]
+            label += f" ({tok_s / plain:.2f}x plain)"
+        mean_k = last["draft_tokens"] / last["drafts"] if last.get("drafts") else None
+        rows.append(f"| {workload} | {conc} | {label} | {tok_s:.1f} | {tok_s / off:.2f} | {fmt(last['accept_len'])} "
+                    f"| {fmt(mean_k)} | {last['per_pos']} | {fmt(last['itl_p50_ms'])} | {fmt(last['itl_p99_ms'])} "
+                    f"| {last['steps']} | {fmt(last['emitting_steps_per_request'])} "
+                    f"| {fmt(last['tokens_per_request'])} |")
     return "\n".join(rows)
 
 

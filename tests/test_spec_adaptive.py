@@ -201,3 +201,34 @@ def test_a_fixed_verify_cost_stops_lone_drafts_under_load():
             controller.observe(rid, 4, 0)  # acceptance near 0: k = 0, then (old rule) probes every 2 steps
     assert sum(sum(controller.choose(ids, 32, 32, owed=[64] * 32)) for _ in range(6)) == 0
     assert controller.choose(["solo"], 1, 1, owed=[64], num_waiting=0)[0] > 0
+
+
+def test_draft_cost_is_profiled_warm_and_calls_refine_it():
+    """A proposer whose first call is cold (a draft model's first kernels) is priced by its warm calls,
+    and a profiled price moves by the EMA, not by the next call alone."""
+    import time
+
+    from threefold.spec.decoder import profile_draft_cost
+    from threefold.spec.proposer import Draft, Proposer
+
+    class ColdFirstCall(Proposer):
+        calls = 0
+
+        @classmethod
+        def from_config(cls, config, target=None):
+            return cls()
+
+        def propose(self, requests):
+            self.calls += 1
+            time.sleep(0.2 if self.calls == 1 else 0.004)
+            return [Draft([0] * r.num_drafts) for r in requests]
+
+    seconds = profile_draft_cost(ColdFirstCall(), num_drafts=4)
+    assert 0.001 <= seconds < 0.01  # 4 ms / 4 drafts, not the cold call's 50 ms a draft
+    controller = AdaptiveController(StepCostModel({1: 0.01, 64: 0.011}), max_drafts=4,
+                                    draft_seconds_per_token=seconds)
+    assert controller.choose(["r"], 1, 1)[0] > 0
+    cold = AdaptiveController(StepCostModel({1: 0.01, 64: 0.011}), max_drafts=4, draft_seconds_per_token=0.05)
+    assert cold.choose(["r"], 1, 1) == [0]  # priced by the cold call, it would never draft
+    controller.observe_draft_cost(4, 0.2)  # one slow call
+    assert controller.draft_seconds_per_token == pytest.approx(seconds + 0.1 * (0.05 - seconds))

@@ -43,3 +43,17 @@ def test_draft_with_another_vocabulary_is_refused(smollm2_fp32, tmp_path):
     with pytest.raises(ThreefoldError, match="vocabulary of 32000 rows") as info:
         make_proposer(SpeculativeConfig("draft_model", 3, model=str(tmp_path)), smollm2_fp32)
     assert info.value.param == "speculative_config.model"
+
+
+def test_prompt_prefill_is_catch_up_not_drafting(smollm2_fp32):
+    """A prompt longer than any verify step adds is fed in a forward of its own, timed apart from the
+    drafts (the adaptive controller's cost per draft token leaves it out); the drafts do not change."""
+    proposer = make_proposer(SpeculativeConfig("draft_model", 4, model="smollm2-135m"), smollm2_fp32)
+    prompt = smollm2_fp32.tokenizer.encode("Here is a list of the planets of the solar system, in order from the "
+                                           "Sun, with one fact about each of them:\n1. Mercury")
+    assert len(prompt) > 17  # MAX_SPECULATIVE_TOKENS + 1
+    expected, _ = greedy(smollm2_fp32.model, prompt, 8)
+    assert proposer.propose([DraftRequest("r", prompt, 4)])[0].token_ids == expected[:4]
+    assert proposer.catch_up_seconds > 0
+    assert proposer.propose([DraftRequest("r", prompt + expected[:3], 4)])[0].token_ids == expected[3:7]
+    assert proposer.catch_up_seconds == 0  # a verify step's worth of new tokens is part of drafting

@@ -227,7 +227,7 @@ class AdaptiveController:
         self.acceptance = AcceptanceTracker(ema_weight)
         self.probe_interval = probe_interval
         self.draft_seconds_per_token = draft_seconds_per_token
-        self._draft_cost_measured = False
+        self._draft_cost_measured = draft_seconds_per_token > 0.0  # profiled at startup: calls refine it
         self.idle_steps: dict[str, int] = {}
 
     def choose(self, request_ids: list[str], base_tokens: int, base_emitted: int,
@@ -257,8 +257,9 @@ class AdaptiveController:
         self.cost.observe(num_tokens, seconds, num_draft_rows)
 
     def observe_draft_cost(self, num_drafted: int, seconds: float, ema_weight: float = 0.1) -> None:
-        """Fold a measured proposer call into the seconds each drafted token costs (the first call sets
-        it: an EMA from 0 would let an expensive proposer look cheap for its first few dozen calls)."""
+        """Fold a measured proposer call into the seconds each drafted token costs (unless profiled at
+        startup, the first call sets it: an EMA from 0 would let an expensive proposer look cheap for
+        its first few dozen calls)."""
         if num_drafted <= 0:
             return
         weight = ema_weight if self._draft_cost_measured else 1.0

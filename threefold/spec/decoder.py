@@ -101,13 +101,35 @@ def profile_step_cost(forward: Callable[[int], None], token_counts=PROFILE_TOKEN
     return StepCostModel(profile)
 
 
+PROFILE_REQUEST = "__profile_draft_cost__"
+"""The dummy request profile_draft_cost drafts for (removed after each call)."""
+
+
+def profile_draft_cost(proposer: Proposer, num_drafts: int = 4, repeats: int = 2) -> float:
+    """Seconds one drafted token costs (best of `repeats` calls after a cold one) on a dummy 8-token
+    request, measured at startup as the step cost is: a cold first call (a draft model's first
+    kernels) must not set the price the adaptive controller drafts by. 0 for proposers that draft
+    from the target's hidden states (priced from their first calls)."""
+    if proposer.needs_hidden_states:
+        return 0.0
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        proposer.propose([DraftRequest(PROFILE_REQUEST, list(range(1, 9)), num_drafts)])
+        times.append((time.perf_counter() - start - proposer.catch_up_seconds) / num_drafts)
+        proposer.remove(PROFILE_REQUEST)
+    return min(times[1:])
+
+
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, cost: StepCostModel | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, cost: StepCostModel | None = None,
+                 draft_seconds_per_token: float = 0.0) -> None:
+        """draft_seconds_per_token: the proposer's profiled cost (profile_draft_cost); 0 = from its first call."""
         self.config = config
         self.proposer = proposer
         self.controller = None if not config.adaptive or cost is None else AdaptiveController(
             cost, config.num_speculative_tokens, config.acceptance_ema_weight,
-            tokens_for_depth=config.tree_tokens_by_depth())
+            draft_seconds_per_token=draft_seconds_per_token, tokens_for_depth=config.tree_tokens_by_depth())
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
         self.accepted_per_request: dict[str, int] = {}
         self.argmax: Callable[[Tensor], Tensor] | None = None
@@ -139,7 +161,8 @@ class SpecDecoder:
         drafts = self.proposer.propose([DraftRequest(c.request_id, c.token_ids, k, c.hidden(), c.hidden_start)
                                         for c, k in asked])
         if self.controller is not None:  # the proposer's own cost per drafted token, measured
-            self.controller.observe_draft_cost(sum(k for _, k in asked), time.perf_counter() - start)
+            seconds = time.perf_counter() - start - self.proposer.catch_up_seconds
+            self.controller.observe_draft_cost(sum(k for _, k in asked), seconds)
         return {c.request_id: d if d.is_tree else Draft(d.token_ids[:k])
                 for (c, k), d in zip(asked, drafts, strict=False) if d.token_ids}
 

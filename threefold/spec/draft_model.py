@@ -4,17 +4,22 @@ Each request keeps the draft's own KV (a dense per-layer cache, the draft being 
 percent of the target's size) in step with the target: a call first feeds the real
 tokens added since the last call (the accepted drafts plus the bonus token, or the
 whole prompt the first time), then drafts k tokens greedily one at a time, then cuts
-its cache back to the real tokens, so rejected drafts never linger.
+its cache back to the real tokens, so rejected drafts never linger. A catch-up longer
+than any step's (a new request's prompt) runs as a forward of its own, timed as
+`catch_up_seconds`: the adaptive controller prices drafting by what a draft token
+costs once the cache is current, not by prompt prefills.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from threefold.errors import ThreefoldError
-from threefold.spec.config import SpeculativeConfig
+from threefold.spec.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from threefold.spec.proposer import Draft, DraftRequest, Proposer
 
 TOKENIZER_PROBE = "def main():\n    print('héllo, wörld', 12345)  # 你好 🙂\n"
@@ -79,6 +84,7 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        self.catch_up_seconds = 0.0
         return [self._propose_one(r) for r in requests]
 
     def _propose_one(self, request: DraftRequest) -> Draft:
@@ -90,6 +96,12 @@ class DraftModelProposer(Proposer):
         drafts: list[int] = []
         new = tokens[common:]
         position = common
+        if len(new) > MAX_SPECULATIVE_TOKENS + 1:  # more than a verify step can add: a prompt, a new history
+            start = time.perf_counter()
+            self.model(torch.tensor(new[:-1]), torch.arange(position, position + len(new) - 1), cache)
+            cache.length = position = position + len(new) - 1
+            new = new[-1:]
+            self.catch_up_seconds += time.perf_counter() - start
         for _ in range(request.num_drafts):
             hidden = self.model(torch.tensor(new), torch.arange(position, position + len(new)), cache)
             cache.length = position + len(new)

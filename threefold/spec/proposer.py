@@ -71,6 +71,10 @@ class Proposer(ABC):
 
     needs_hidden_states: ClassVar[bool] = False
     """True: the engine keeps the target's final hidden states for DraftRequest."""
+    catch_up_seconds: float = 0.0
+    """Seconds of the last `propose` spent bringing per-request state up to date rather than
+    drafting (a draft model prefilling a new request's prompt): a one-time cost per request,
+    which the adaptive controller's cost per draft token leaves out."""
 
     @classmethod
     @abstractmethod

@@ -24,7 +24,7 @@ from torch import Tensor
 from threefold.core.outputs import ModelRunnerOutput, TokenLogprobs
 from threefold.sample.logprobs import compute_logprobs_tensors
 from threefold.spec.config import SpeculativeConfig
-from threefold.spec.decoder import Candidate, SpecDecoder, profile_step_cost
+from threefold.spec.decoder import Candidate, SpecDecoder, profile_draft_cost, profile_step_cost
 from threefold.spec.proposer import Draft, make_proposer
 from threefold.spec.train import causal_attention
 
@@ -47,7 +47,9 @@ class SpecRunner:
     def build(cls, config: SpeculativeConfig, loaded, max_model_len: int) -> SpecRunner:
         proposer = make_proposer(config, loaded)
         cost = profile_step_cost(lambda n: _dense_forward(loaded.model, n)) if config.adaptive else None
-        return cls(SpecDecoder(config, proposer, cost), loaded.model, list(loaded.eos_token_ids), max_model_len)
+        draft_seconds = profile_draft_cost(proposer) if config.adaptive else 0.0
+        return cls(SpecDecoder(config, proposer, cost, draft_seconds), loaded.model, list(loaded.eos_token_ids),
+                   max_model_len)
 
     # ---- verify --------------------------------------------------------------
     def scheduled_trees(self, spec_tokens: dict[str, list[int]]) -> dict[str, list[int]]:
