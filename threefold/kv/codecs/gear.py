@@ -124,11 +124,7 @@ class GearCodec(KiviCodec):
     def encode(self, storage: KiviStorage, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         assert isinstance(storage, GearStorage)
         kivi, extra = self.compress(k, v)
-        k_codes, v_codes, *meta = kivi
-        storage.codes[0].index_copy_(0, block_ids, k_codes)
-        storage.codes[1].index_copy_(0, block_ids, v_codes)
-        for dst, src in zip((storage.k_scales, storage.k_zeros, storage.v_scales, storage.v_zeros), meta, strict=True):
-            dst.index_copy_(0, block_ids, src)
+        self.store(storage, block_ids, kivi)
         for dst, src in zip(self._extra(storage), extra, strict=True):
             dst.index_copy_(1, block_ids, src)
 

@@ -137,7 +137,12 @@ class KiviCodec(KVCodec[KiviStorage]):
 
     def encode(self, storage: KiviStorage, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write whole blocks: k, v [n, block_size, kvh, d] into blocks `block_ids` [n]."""
-        k_codes, v_codes, k_scale, k_zero, v_scale, v_zero = self.quantize(k, v)
+        self.store(storage, block_ids, self.quantize(k, v))
+
+    @staticmethod
+    def store(storage: KiviStorage, block_ids: torch.Tensor, quantized: tuple[torch.Tensor, ...]) -> None:
+        """Put `quantize`'s output (K, V codes, K scale / zero, V scale / zero) into blocks `block_ids`."""
+        k_codes, v_codes, k_scale, k_zero, v_scale, v_zero = quantized
         storage.codes[0].index_copy_(0, block_ids, k_codes)
         storage.codes[1].index_copy_(0, block_ids, v_codes)
         for dst, src in ((storage.k_scales, k_scale), (storage.k_zeros, k_zero),

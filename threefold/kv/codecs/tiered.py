@@ -63,7 +63,6 @@ class TieredCodec(KiviCodec):
             raise ThreefoldError(f"kv_cache_dtype {self.spec} needs middle={self.middle} a multiple of "
                                  f"block_size={block_size} (the band ages a whole block at a time).",
                                  param="kv_cache_dtype")
-
         if self.sink > block_size:
             raise ThreefoldError(f"kv_cache_dtype {self.spec} needs sink={self.sink} at most block_size={block_size} "
                                  f"(the sinks are kept when block 0 is encoded).", param="kv_cache_dtype")
@@ -96,11 +95,7 @@ class TieredCodec(KiviCodec):
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write whole blocks' high planes (a kivi2 block each); return their low planes (K, V)."""
         *block, k_low, v_low = self.split(k, v)
-        storage.codes[0].index_copy_(0, block_ids, block[0])
-        storage.codes[1].index_copy_(0, block_ids, block[1])
-        for dst, src in ((storage.k_scales, block[2]), (storage.k_zeros, block[3]),
-                         (storage.v_scales, block[4]), (storage.v_zeros, block[5])):
-            dst.index_copy_(0, block_ids, src)
+        self.store(storage, block_ids, tuple(block))
         return k_low, v_low
 
     def refine(self, k: torch.Tensor, v: torch.Tensor, storage: KiviStorage, block_ids: torch.Tensor,
