@@ -147,10 +147,15 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
         for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(src[i]) * a.fscale;
       }
       scores.assign(a.group * len, 0.f);
-      for (int64_t pos = 0; pos < ns; ++pos) {  // tiered: the exact sinks
-        widen<D>(sinks + pos * kvh_n * d, row.data(), d);
+      auto score_exact = [&](const W* src, int64_t pos) {  // an exact key row (sink or window)
+        widen<D>(src, row.data(), d);
         for (int64_t g = 0; g < a.group; ++g) scores[g * len + pos] = dot<D>(qf.data() + g * d, row.data(), d);
-      }
+      };
+      auto add_exact = [&](const W* src, int64_t pos) {  // an exact value row, weighted by its scores
+        widen<D>(src, row.data(), d);
+        for (int64_t g = 0; g < a.group; ++g) axpy<D>(scores[g * len + pos], row.data(), acc.data() + g * d, d);
+      };
+      for (int64_t pos = 0; pos < ns; ++pos) score_exact(sinks + pos * kvh_n * d, pos);  // tiered: the sinks
       // Pass 1a: quantized keys, one key group at a time (its scale folded into q).
       for (int64_t pos = ns; pos < nq;) {
         const int64_t blk = table[pos / a.block_size], off = pos % a.block_size;
@@ -176,10 +181,7 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
         }
       }
       // Pass 1b: exact keys from the window.
-      for (int64_t pos = nq; pos < len; ++pos) {
-        widen<D>(exact + exact_row(pos), row.data(), d);
-        for (int64_t g = 0; g < a.group; ++g) scores[g * len + pos] = dot<D>(qf.data() + g * d, row.data(), d);
-      }
+      for (int64_t pos = nq; pos < len; ++pos) score_exact(exact + exact_row(pos), pos);
       std::vector<float> inv_sum(a.group);
       for (int64_t g = 0; g < a.group; ++g) {
         float* s = scores.data() + g * len;
@@ -191,10 +193,7 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
         inv_sum[g] = 1.f / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t pos = 0; pos < ns; ++pos) {  // tiered: the exact sinks
-        widen<D>(sinks + sink_side + pos * kvh_n * d, row.data(), d);
-        for (int64_t g = 0; g < a.group; ++g) axpy<D>(scores[g * len + pos], row.data(), acc.data() + g * d, d);
-      }
+      for (int64_t pos = 0; pos < ns; ++pos) add_exact(sinks + sink_side + pos * kvh_n * d, pos);  // the sinks
       // Pass 2a: quantized values, each row dequantized once for the Gq heads, kKeys rows at a time.
       for (int64_t pos = ns; pos < nq;) {
         const int count = static_cast<int>(std::min<int64_t>(kKeys, nq - pos));
@@ -216,10 +215,7 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
         pos += count;
       }
       // Pass 2b: exact values.
-      for (int64_t pos = nq; pos < len; ++pos) {
-        widen<D>(exact + ring_side + exact_row(pos), row.data(), d);
-        for (int64_t g = 0; g < a.group; ++g) axpy<D>(scores[g * len + pos], row.data(), acc.data() + g * d, d);
-      }
+      for (int64_t pos = nq; pos < len; ++pos) add_exact(exact + ring_side + exact_row(pos), pos);
       for (int64_t g = 0; g < a.group; ++g) {
         T* dst = out_ptr + r * o_row + (kvh * a.group + g) * o_head;
         for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[g * d + i] * inv_sum[g]);
@@ -238,13 +234,11 @@ void dispatch_dim(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
 }
 
 template <typename T, typename W>
-void dispatch_bits(int64_t bits, const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring,
-                   const KiviArgs& a) {
+void dispatch_bits(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring, const KiviArgs& a) {
   if (a.band != nullptr) return dispatch_dim<2, T, W, true>(out, q, ring, a);
-  if (bits == 2) return dispatch_dim<2, T, W, false>(out, q, ring, a);
+  if (a.width_bits == 2) return dispatch_dim<2, T, W, false>(out, q, ring, a);
   dispatch_dim<4, T, W, false>(out, q, ring, a);
 }
-
 
 bool same_long(const at::Tensor& t, int64_t n) {
   return t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 1 && t.size(0) == n;
@@ -304,10 +298,9 @@ KiviArgs checked_args(const at::Tensor& out, const at::Tensor& q, const at::Tens
 }
 
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring, const KiviArgs& a) {
-  const int64_t bits = a.width_bits;
-  if (q.scalar_type() == at::kBFloat16) return dispatch_bits<at::BFloat16, at::BFloat16>(bits, out, q, ring, a);
-  if (ring.scalar_type() == at::kHalf) return dispatch_bits<float, Half>(bits, out, q, ring, a);
-  dispatch_bits<float, float>(bits, out, q, ring, a);
+  if (q.scalar_type() == at::kBFloat16) return dispatch_bits<at::BFloat16, at::BFloat16>(out, q, ring, a);
+  if (ring.scalar_type() == at::kHalf) return dispatch_bits<float, Half>(out, q, ring, a);
+  dispatch_bits<float, float>(out, q, ring, a);
 }
 
 }  // namespace

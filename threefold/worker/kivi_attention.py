@@ -312,7 +312,7 @@ class KiviAttention:
         out = torch.empty_like(q)
         for start in range(0, r.query_len, _ROWS):
             rows = torch.arange(ctx + start, min(ctx + start + _ROWS, hi), device=device)  # positions
-            ns = [(p + 1) for p in rows.tolist()]
+            ns = [p + 1 for p in rows.tolist()]
             nq = torch.tensor([self.quantized_len(r.window, n, residual) for n in ns], device=device)[:, None]
             nm = torch.tensor([self.middle_len(r.window, n, residual, middle) for n in ns],
                               device=device)[:, None] if middle else nq
