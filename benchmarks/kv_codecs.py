@@ -169,34 +169,32 @@ def speed_rows(config, codecs: list[str], dtype: torch.dtype, lengths=(1024, 409
         lens = torch.full((batch,), length, dtype=torch.long)
         q = torch.randn(batch, heads, d).to(dtype)
         out = torch.empty_like(q)
-        timings = {}
+        timings, steps = {}, {}
         for spec in codecs:
             codec = make_codec(spec, kvh, d, dtype)
             if codec.window_tokens(block_size_for(spec)):
-                timings[spec] = kivi_decode_time(codec, config, length, batch, dtype, repeats)
+                timings[spec], steps[spec] = kivi_decode_time(codec, config, length, batch, dtype, repeats)
                 continue
             storage = codec.allocate(num_blocks, block_size, torch.device("cpu"))
             slots = torch.arange(num_blocks * block_size)
             codec.write(storage, slots, torch.randn(len(slots), kvh, d), torch.randn(len(slots), kvh, d))
             layout = codec.layout(storage)
-            call = functools.partial(decode_attention, kernels, out, q, layout, tables, lens, d ** -0.5, 0)
-            call()
-            best = math.inf
-            for _ in range(3):  # best of 3 rounds: the machine is shared
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    call()
-                best = min(best, (time.perf_counter() - start) / repeats)
-            timings[spec] = best
+            timings[spec] = best_time(
+                functools.partial(decode_attention, kernels, out, q, layout, tables, lens, d ** -0.5, 0), repeats)
             del storage, layout
         rows.extend({"codec": spec, "context": length, "us_per_token_per_layer": timings[spec] / batch * 1e6,
-                     "vs_auto": timings[spec] / timings["auto"]} for spec in codecs)
+                     "vs_auto": timings[spec] / timings["auto"],
+                     **({"step_us_per_token_per_layer": steps[spec] / batch * 1e6,
+                         "step_vs_auto": steps[spec] / timings["auto"]} if spec in steps else {})}
+                    for spec in codecs)
     return rows
 
 
-def kivi_decode_time(codec, config, length: int, batch: int, dtype: torch.dtype, repeats: int) -> float:
-    """One layer's decode step over KIVI blocks + windows (the native kernel where it runs: kivi2/kivi4;
-    the context is written through the plain-torch path)."""
+def kivi_decode_time(codec, config, length: int, batch: int, dtype: torch.dtype,
+                     repeats: int) -> tuple[float, float]:
+    """One layer's decode attention over KIVI blocks + windows (the native kernel where it runs: kivi2,
+    kivi4, tiered; the context is written, not attended): the kernel call alone, like the
+    dense rows, and the whole KiviAttention step (the ring writes and per-step Python around it)."""
     from threefold.kv.paged import PagedKVCache
     from threefold.kv.window import ArenaShape, WindowArena, window_dtype
     from threefold.worker.kivi_attention import KiviAttention, KiviRequest
@@ -211,20 +209,33 @@ def kivi_decode_time(codec, config, length: int, batch: int, dtype: torch.dtype,
         window = arena.acquire(str(b), 0)
         # the context ends one token short of a block: each timed step decodes a token that completes
         # no block (31 of 32 decodes do; the 32nd also encodes a block)
-        request = KiviRequest(0, length - 2, 0, ids, window)
-        KiviAttention(cache, arena, [request], d ** -0.5, codec.residual)(
-            0, torch.randn(length - 2, config.num_heads, d).to(dtype), torch.randn(length - 2, kvh, d).to(dtype),
+        request = KiviRequest(0, length - 2, 0, ids, window)  # written (blocks, ring), not attended
+        KiviAttention(cache, arena, [request], d ** -0.5, codec.residual)._write(
+            0, codec, codec.residual, request, torch.randn(length - 2, kvh, d).to(dtype),
             torch.randn(length - 2, kvh, d).to(dtype))
         window.filled = length - 2
         requests.append(KiviRequest(b, 1, length - 2, ids, window))
     step = KiviAttention(cache, arena, requests, d ** -0.5, codec.residual, kernels=cpu_kernels())
     q, k, v = (torch.randn(batch, n, d).to(dtype) for n in (config.num_heads, kvh, kvh))
     step(0, q, k, v)
+    layout, out = cache.layout(0), torch.empty_like(q)
+    whole = best_time(lambda: step(0, q, k, v), repeats)  # the step rewrites one position: the same work each call
+    if step.kernels is None or layout.kind not in ("kivi", "tiered"):  # GEAR, TurboQuant: the plain-torch path
+        return whole, whole
+    _, tables, meta, *tier = step._decode_args(codec.residual, codec if layout.kind == "tiered" else None)
+    extra = (arena.band[0], arena.sinks[0], *tier) if tier else ()
+    kernel = functools.partial(step._kernel, layout, out, q, step._ring(0), tables, meta, *extra)
+    return best_time(kernel, repeats), whole
+
+
+def best_time(call, repeats: int) -> float:
+    """Seconds per call, the best of 3 rounds (the machine is shared)."""
+    call()
     best = math.inf
     for _ in range(3):
         start = time.perf_counter()
         for _ in range(repeats):
-            step(0, q, k, v)  # rewrites the same position: the same work every call
+            call()
         best = min(best, (time.perf_counter() - start) / repeats)
     return best
 

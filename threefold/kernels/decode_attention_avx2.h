@@ -16,13 +16,6 @@ namespace avx2 {
 
 constexpr int kKeys = 16;
 
-// v[j] -> sum of v[j]'s lanes, for j < 8, as one vector.
-inline __m256 reduce8(const __m256 (&v)[8]) {
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
 // The rows of keys [t0, t0 + count) as fp32 pointers: in place for fp32, else widened into buf.
 template <int D, typename T>
 inline void block_rows(const T* const* src, int count, float (&buf)[kKeys][D], const float* (&rows)[kKeys]) {
@@ -53,7 +46,7 @@ inline void score_block(const float* const (&rows)[kKeys], int count, const floa
         part[j] = _mm256_add_ps(a0, a1);
       }
       alignas(32) float s[8];
-      _mm256_store_ps(s, reduce8(part));
+      _mm256_store_ps(s, threefold::reduce8(part));
       for (int j = 0; j < std::min(8, count - j0); ++j) scores[g * n + j0 + j] = s[j];
     }
   }

@@ -13,8 +13,10 @@
 //   k_scales  [N, bs / G, kvh, d]   fp16 (k_zeros alike): per (key group, channel)
 //   v_scales  [N, bs, kvh, d / VG]  fp16 (v_zeros alike): per (token, channel group)
 // Keys: the per-channel scale is folded into q once per key group, qs = q * s, qz = q . z,
-// so a key's score is qs . codes + qz (exact algebra; fp32 rounding only). Values: each row
-// is dequantized once in registers and shared by the Gq query heads of its kv head.
+// so a key's score is qs . codes + qz. With AVX2 (head_dim 64 or 128) it is computed on the
+// codes, as integers (codes_avx2.h: qs as int16, vpdpwssd / vpmaddwd), and values likewise, two
+// rows at a time against their int16 weights p s; elsewhere each row is decoded to fp32 once
+// and shared by the Gq query heads of its kv head.
 //
 // tiered_attention (kv/codecs/tiered.py) reads the blocks as kivi2 and adds, per row, the positions
 // [0, ns) exact from the request's sinks and, for [nm, nq), the low bit plane from its band:
@@ -26,6 +28,7 @@
 
 #include "decode_attention.h"
 #include "decode_attention_avx2.h"
+#include "codes_avx2.h"
 
 namespace {
 
@@ -70,6 +73,10 @@ inline void unpack(const uint8_t* __restrict c, float* __restrict dst, int64_t d
 }
 
 constexpr int kKeys = 16;  // rows decoded, then scored (or accumulated), together
+#if defined(THREEFOLD_AVX2)
+static_assert(kKeys == fast::kRows, "values_block takes kKeys rows");
+#endif
+constexpr int kMaxGroup = 16;  // query heads per kv head the vector path holds (more: the generic loop)
 
 // scores[g * n + j] = qs_g . rows[j] for each head g of the group and j < count: on AVX2 (head_dim 64
 // or 128) eight keys' lanes reduced together (decode_attention_avx2.h), else one dot at a time.
@@ -106,6 +113,7 @@ inline void refine(const uint8_t* __restrict low, float* __restrict row, float* 
   for (int64_t i = 0; i < n; ++i) row[i] += 0.25f * tmp[i] - 0.375f;
 }
 
+
 // T: q and out; W: the window's rows (T, or fp16 beside fp32 q: kv/window.py's window_dtype).
 template <int B, int D, typename T, typename W, bool TIERED>
 void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring, const KiviArgs& a) {
@@ -117,11 +125,24 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
   const int64_t ring_side = a.ring_slots * a.ring_size * kvh_n * d;  // K half of the ring, then V
   const std::vector<int64_t> bounds = split_by_cost(a.lens, a.rows, kvh_n, 0, 16);
   const int64_t num_parts = static_cast<int64_t>(bounds.size()) - 1;
+#if defined(THREEFOLD_AVX2)
+  constexpr bool kFast = fast::kCodes<B, D>;
+#else
+  constexpr bool kFast = false;
+#endif
+  const bool fast_values = kFast && vg % 16 == 0;
+  constexpr bool kExact = std::is_same_v<T, float>;  // fp32 q: keys scored to fp32's precision (two int16 rows)
 
   at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
     const int64_t gd = a.group * d;
-    std::vector<float> qf(gd), qs(gd), qz(a.group), acc(gd), row(d), tmp(d), meta(2 * d), scores;
+    std::vector<float> qf(gd), qs(gd), qz(a.group), acc(gd), tmp(d), meta(2 * d), scores;
     std::vector<float> decoded(kKeys * d);  // the rows of one block of keys (or values), fp32
+    std::vector<int16_t> q16(2 * gd);       // the fast path's int16 qs (and low rows), its scales a and sum qs
+    std::vector<float> qa(a.group), qsum(a.group), vacc(gd), vscale(kKeys * a.value_groups),
+        vzero(kKeys * a.value_groups), zsum(a.group * a.value_groups);
+#if defined(THREEFOLD_AVX2)
+    __m256i vcodes[kKeys][D > 0 ? D / 16 : 1];  // the fast path's value codes (16-bit lanes)
+#endif
     float* rows[kKeys];
     for (int j = 0; j < kKeys; ++j) rows[j] = decoded.data() + j * d;
     for (int64_t item = bounds[part_begin]; item < bounds[part_end]; ++item) {
@@ -146,28 +167,98 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
         const T* src = q_ptr + r * q_row + (kvh * a.group + g) * q_head;
         for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(src[i]) * a.fscale;
       }
-      scores.assign(a.group * len, 0.f);
-      auto score_exact = [&](const W* src, int64_t pos) {  // an exact key row (sink or window)
-        widen<D>(src, row.data(), d);
-        for (int64_t g = 0; g < a.group; ++g) scores[g * len + pos] = dot<D>(qf.data() + g * d, row.data(), d);
+      scores.resize(a.group * len);  // every position is written below
+      // Exact rows (sinks, window) [from, to): widened kKeys at a time, then scored or accumulated together.
+      auto score_exact = [&](int64_t from, int64_t to, auto&& src) {
+        for (int64_t pos = from; pos < to; pos += kKeys) {
+          const int count = static_cast<int>(std::min<int64_t>(kKeys, to - pos));
+          for (int j = 0; j < count; ++j) widen<D>(src(pos + j), rows[j], d);
+          score_rows<D>(rows, count, qf.data(), a.group, scores.data() + pos, len, d);
+        }
       };
-      auto add_exact = [&](const W* src, int64_t pos) {  // an exact value row, weighted by its scores
-        widen<D>(src, row.data(), d);
-        for (int64_t g = 0; g < a.group; ++g) axpy<D>(scores[g * len + pos], row.data(), acc.data() + g * d, d);
+      auto add_exact = [&](int64_t from, int64_t to, auto&& src) {
+        for (int64_t pos = from; pos < to; pos += kKeys) {
+          const int count = static_cast<int>(std::min<int64_t>(kKeys, to - pos));
+          for (int j = 0; j < count; ++j) widen<D>(src(pos + j), rows[j], d);
+          accumulate_rows<D>(rows, count, scores.data() + pos, a.group, len, acc.data(), d);
+        }
       };
-      for (int64_t pos = 0; pos < ns; ++pos) score_exact(sinks + pos * kvh_n * d, pos);  // tiered: the sinks
+      auto sink_k = [&](int64_t pos) { return sinks + pos * kvh_n * d; };
+      auto sink_v = [&](int64_t pos) { return sinks + sink_side + pos * kvh_n * d; };
+      auto window_k = [&](int64_t pos) { return exact + exact_row(pos); };
+      auto window_v = [&](int64_t pos) { return exact + ring_side + exact_row(pos); };
+      score_exact(0, ns, sink_k);  // tiered: the sinks
       // Pass 1a: quantized keys, one key group at a time (its scale folded into q).
       for (int64_t pos = ns; pos < nq;) {
         const int64_t blk = table[pos / a.block_size], off = pos % a.block_size;
         const int64_t group_end = std::min(nq, pos - off % a.key_group + a.key_group);
         const int64_t m = ((blk * (a.block_size / a.key_group) + off / a.key_group) * kvh_n + kvh) * d;
-        for (int64_t i = 0; i < d; ++i) meta[i] = static_cast<float>(a.k_scales[m + i]);
-        for (int64_t i = 0; i < d; ++i) meta[d + i] = static_cast<float>(a.k_zeros[m + i]);
+#if defined(THREEFOLD_AVX2)
+        if constexpr (kFast) {
+          fast::halves(a.k_scales + m, meta.data(), d);
+          fast::halves(a.k_zeros + m, meta.data() + d, d);
+        } else
+#endif
+        {
+          for (int64_t i = 0; i < d; ++i) meta[i] = static_cast<float>(a.k_scales[m + i]);
+          for (int64_t i = 0; i < d; ++i) meta[d + i] = static_cast<float>(a.k_zeros[m + i]);
+        }
         for (int64_t g = 0; g < a.group; ++g) {
           for (int64_t i = 0; i < d; ++i) qs[g * d + i] = qf[g * d + i] * meta[i];
           qz[g] = dot<D>(qf.data() + g * d, meta.data() + d, d);
         }
         const uint8_t* codes = a.k_codes + ((blk * a.block_size + off) * kvh_n + kvh) * width;
+#if defined(THREEFOLD_AVX2)
+        if constexpr (kFast) {
+          if (a.group <= kMaxGroup) {
+            for (int64_t g = 0; g < a.group; ++g) {
+              int16_t* low = kExact ? q16.data() + gd + g * d : nullptr;
+              qa[g] = fast::to_int16<D>(qs.data() + g * d, q16.data() + g * d, low) * (TIERED ? 0.25f : 1.f);  // tiered: 4 x
+              float sum = 0.f;
+              for (int64_t i = 0; i < d; ++i) sum += qs[g * d + i];
+              qsum[g] = 0.375f * sum;
+            }
+            while (pos < group_end) {  // 8 keys at a time: each row's codes loaded once for the group's heads
+              const int count = static_cast<int>(std::min<int64_t>(8, group_end - pos));
+              __m256 part[kMaxGroup][8];
+              bool in_band[8] = {};
+              for (int j = 0; j < 8; ++j, codes += kvh_n * width) {
+                if (j >= count) {
+                  for (int64_t g = 0; g < a.group; ++g) part[g][j] = _mm256_setzero_ps();
+                  continue;
+                }
+                fast::Codes<B, D> c(codes);
+                in_band[j] = TIERED && pos + j >= nm;
+                if constexpr (TIERED) {  // every code as 4 hi (+ lo in the band)
+                  if (in_band[j]) {
+                    c.refine(band + band_row(pos + j));
+                  } else {
+                    c.shift2();
+                  }
+                }
+                for (int64_t g = 0; g < a.group; ++g) {
+                  part[g][j] = _mm256_cvtepi32_ps(c.dot(q16.data() + g * d));
+                  if constexpr (kExact)
+                    part[g][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c.dot(q16.data() + gd + g * d)),
+                                                 _mm256_set1_ps(1.f / 32768.f), part[g][j]);
+                }
+              }
+              for (int64_t g = 0; g < a.group; ++g) {
+                const __m256 sum = _mm256_fmadd_ps(threefold::reduce8(part[g]), _mm256_set1_ps(qa[g]), _mm256_set1_ps(qz[g]));
+                if (!TIERED && count == 8) {
+                  _mm256_storeu_ps(scores.data() + g * len + pos, sum);
+                  continue;
+                }
+                alignas(32) float s[8];
+                _mm256_store_ps(s, sum);
+                for (int j = 0; j < count; ++j) scores[g * len + pos + j] = s[j] - (in_band[j] ? qsum[g] : 0.f);
+              }
+              pos += count;
+            }
+            continue;
+          }
+        }
+#endif
         while (pos < group_end) {  // kKeys rows at a time: decoded into `rows`, scored together
           const int count = static_cast<int>(std::min<int64_t>(kKeys, group_end - pos));
           for (int j = 0; j < count; ++j, codes += kvh_n * width) {
@@ -181,7 +272,7 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
         }
       }
       // Pass 1b: exact keys from the window.
-      for (int64_t pos = nq; pos < len; ++pos) score_exact(exact + exact_row(pos), pos);
+      score_exact(nq, len, window_k);
       std::vector<float> inv_sum(a.group);
       for (int64_t g = 0; g < a.group; ++g) {
         float* s = scores.data() + g * len;
@@ -193,9 +284,42 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
         inv_sum[g] = 1.f / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t pos = 0; pos < ns; ++pos) add_exact(sinks + sink_side + pos * kvh_n * d, pos);  // the sinks
-      // Pass 2a: quantized values, each row dequantized once for the Gq heads, kKeys rows at a time.
-      for (int64_t pos = ns; pos < nq;) {
+      add_exact(0, ns, sink_v);  // the sinks
+      // Pass 2a: quantized values, each row decoded once for the Gq heads, kKeys rows at a time.
+      int64_t pos = ns;
+#if defined(THREEFOLD_AVX2)
+      if constexpr (kFast) {
+        if (fast_values) {
+          std::fill(vacc.begin(), vacc.end(), 0.f);
+          std::fill(zsum.begin(), zsum.end(), 0.f);
+          for (; pos < nq;) {
+            const int count = static_cast<int>(std::min<int64_t>(kKeys, nq - pos));
+            int64_t bi = pos / a.block_size, off = pos % a.block_size;
+            for (int j = 0; j < count; ++j) {
+              const int64_t index = (table[bi] * a.block_size + off) * kvh_n + kvh;
+              if (++off == a.block_size) ++bi, off = 0;
+              fast::Codes<B, D>::unpack(a.v_codes + index * width, vcodes[j]);
+              const bool low = TIERED && pos + j >= nm;  // tiered's band: (4 hi + lo) / 4 - 3 / 8
+              if (low) fast::Codes<B, D>::refine(vcodes[j], band + band_side + band_row(pos + j));
+              for (int64_t g = 0; g < a.value_groups; ++g) {
+                const float sc = _cvtsh_ss(a.v_scales[index * a.value_groups + g].x);
+                vscale[g * kKeys + j] = low ? 0.25f * sc : sc;
+                vzero[g * kKeys + j] = _cvtsh_ss(a.v_zeros[index * a.value_groups + g].x) - (low ? 0.375f * sc : 0.f);
+              }
+            }
+            if (count % 2) std::fill(vcodes[count], vcodes[count] + D / 16, _mm256_setzero_si256());
+            fast::values_block<D, kExact>(vcodes, count, scores.data() + pos, len, vscale.data(), vzero.data(),
+                                          a.group, vg, vacc.data(), zsum.data());
+            pos += count;
+          }
+          for (int64_t g = 0; g < a.group; ++g) {
+            fast::unpermute<D>(vacc.data() + g * d, acc.data() + g * d);
+            for (int64_t i = 0; i < d; ++i) acc[g * d + i] += zsum[g * a.value_groups + i / vg];
+          }
+        }
+      }
+#endif
+      for (; pos < nq;) {
         const int count = static_cast<int>(std::min<int64_t>(kKeys, nq - pos));
         for (int j = 0; j < count; ++j) {
           const int64_t blk = table[(pos + j) / a.block_size], off = (pos + j) % a.block_size;
@@ -215,7 +339,7 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
         pos += count;
       }
       // Pass 2b: exact values.
-      for (int64_t pos = nq; pos < len; ++pos) add_exact(exact + ring_side + exact_row(pos), pos);
+      add_exact(nq, len, window_v);
       for (int64_t g = 0; g < a.group; ++g) {
         T* dst = out_ptr + r * o_row + (kvh * a.group + g) * o_head;
         for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[g * d + i] * inv_sum[g]);

@@ -2,7 +2,8 @@
 //
 // kv_decode_attention -- paged decode attention over a compressed KV cache (int8, fp8, int4),
 // read in place: each K/V row is dequantized into a head_dim-sized fp32 buffer (L1, registers)
-// right before it is used, so no dequantized copy of any context is ever built.
+// right before it is used, so no dequantized copy of any context is ever built. int4 with AVX2
+// (head_dim 64 or 128, groups of 16-64) computes on its codes instead (run_int4_codes).
 //
 //   out[b, h] = softmax_t(scale * q[b, h] . K^[slot(b, t), h / G]) @ V^[slot(b, t), h / G]
 //   K^ = dequant(codes, scales, zeros) per row;  t in [max(0, seq_len[b] - window), seq_len[b])
@@ -25,8 +26,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "codes_avx2.h"
 #include "kernel_common.h"
 
 namespace {
@@ -92,10 +95,141 @@ struct Shape {
   int64_t num_seqs, num_heads, head_dim, block_size, num_kv_heads, group, table_width;
 };
 
+#if defined(THREEFOLD_AVX2)
+// int4 on its codes (codes_avx2.h): the rows are KIVI's 4-bit layout, with a scale and zero point per
+// token and group of `vg` channels. A key's score: a sum_c s_c (q16_c . code_c) + sum_c z_c sum(q_c),
+// q16 = q as int16 once per row and head (two rows for fp32 models, as the KIVI kernel does); values:
+// fast::values_block.
+constexpr int kMaxHeads = 16;  // query heads per kv head this path holds
+
+template <int D, typename T, int PER>  // PER: 16-channel vectors an int4 group
+void run_int4_codes(const at::Tensor& out, const at::Tensor& q, const Side& ks, const Side& vs,
+                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                    const Shape& a) {
+  constexpr bool kExact = std::is_same_v<T, float>;
+  constexpr int K16 = D / 16;
+  const T* q_ptr = q.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+  const int64_t q_seq = q.stride(0), q_head = q.stride(1), o_seq = out.stride(0), o_head = out.stride(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+  constexpr int groups = K16 / PER, vg = 16 * PER;
+  const int64_t gd = a.group * D;
+
+  at::parallel_for(0, a.num_seqs * a.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(gd), acc(gd), vacc(gd), qa(a.group), qsum(a.group * groups), zsum(a.group * groups),
+        vscale(groups * fast::kRows), vzero(groups * fast::kRows), scores;
+    std::vector<int16_t> q16(2 * gd);
+    std::vector<int64_t> rows;
+    __m256i vcodes[fast::kRows][K16];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / a.num_kv_heads, kvh = item % a.num_kv_heads, len = lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - first;
+      const int64_t* table = tables + b * a.table_width;
+      rows.resize(n);
+      for (int64_t t = 0, bi = first / a.block_size, off = first % a.block_size; t < n; ++t) {  // no division a row
+        rows[t] = (table[bi] * a.block_size + off) * a.num_kv_heads + kvh;
+        if (++off == a.block_size) ++bi, off = 0;
+      }
+      for (int64_t g = 0; g < a.group; ++g) {
+        const T* src = q_ptr + b * q_seq + (kvh * a.group + g) * q_head;
+        float* qg = qf.data() + g * D;
+        for (int64_t i = 0; i < D; ++i) qg[i] = to_float(src[i]) * fscale;
+        qa[g] = fast::to_int16<D>(qg, q16.data() + g * D, kExact ? q16.data() + gd + g * D : nullptr);
+        for (int64_t c = 0; c < groups; ++c) {
+          float sum = 0.f;
+          for (int64_t i = c * vg; i < (c + 1) * vg; ++i) sum += qg[i];
+          qsum[g * groups + c] = sum;
+        }
+      }
+      scores.resize(a.group * n);
+      for (int64_t t0 = 0; t0 < n; t0 += 8) {  // keys, 8 at a time: per head and group, 8 dots reduced together
+        const int count = static_cast<int>(std::min<int64_t>(8, n - t0));
+        __m256 part[kMaxHeads][groups][8];
+        alignas(32) float sc[groups][8] = {}, zz[groups][8] = {};  // the 8 keys' scales, zero points
+        for (int j = 0; j < count; ++j) {
+          const int64_t index = rows[t0 + j];
+          const fast::Codes<4, D> c(ks.codes + index * ks.width);
+          for (int cg = 0; cg < groups; ++cg) {
+            sc[cg][j] = ks.scales[index * groups + cg];
+            zz[cg][j] = ks.zeros[index * groups + cg];
+          }
+          for (int64_t g = 0; g < a.group; ++g)
+            for (int cg = 0; cg < groups; ++cg) {
+              part[g][cg][j] = _mm256_cvtepi32_ps(c.dot(q16.data() + g * D, cg * PER, (cg + 1) * PER));
+              if constexpr (kExact)
+                part[g][cg][j] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(c.dot(q16.data() + gd + g * D, cg * PER, (cg + 1) * PER)),
+                    _mm256_set1_ps(1.f / 32768.f), part[g][cg][j]);
+            }
+        }
+        for (int64_t g = 0; g < a.group; ++g) {
+          __m256 dots = _mm256_setzero_ps(), zeros = _mm256_setzero_ps();
+          for (int cg = 0; cg < groups; ++cg) {
+            for (int j = count; j < 8; ++j) part[g][cg][j] = _mm256_setzero_ps();
+            dots = _mm256_fmadd_ps(threefold::reduce8(part[g][cg]), _mm256_load_ps(sc[cg]), dots);
+            zeros = _mm256_fmadd_ps(_mm256_load_ps(zz[cg]), _mm256_set1_ps(qsum[g * groups + cg]), zeros);
+          }
+          alignas(32) float s[8];
+          _mm256_store_ps(s, _mm256_fmadd_ps(dots, _mm256_set1_ps(qa[g]), zeros));
+          std::copy(s, s + count, scores.data() + g * n + t0);
+        }
+      }
+      std::vector<float> inv_sum(a.group);
+      for (int64_t g = 0; g < a.group; ++g) {
+        float* s = scores.data() + g * n;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - mx);
+        for (int64_t t = 0; t < n; ++t) sum += s[t];
+        inv_sum[g] = 1.f / sum;
+      }
+      std::fill(vacc.begin(), vacc.end(), 0.f);
+      std::fill(zsum.begin(), zsum.end(), 0.f);
+      for (int64_t t0 = 0; t0 < n; t0 += fast::kRows) {  // values, kRows at a time
+        const int count = static_cast<int>(std::min<int64_t>(fast::kRows, n - t0));
+        for (int j = 0; j < count; ++j) {
+          const int64_t index = rows[t0 + j];
+          fast::Codes<4, D>::unpack(vs.codes + index * vs.width, vcodes[j]);
+          for (int cg = 0; cg < groups; ++cg) {
+            vscale[cg * fast::kRows + j] = vs.scales[index * groups + cg];
+            vzero[cg * fast::kRows + j] = vs.zeros[index * groups + cg];
+          }
+        }
+        if (count % 2) std::fill(vcodes[count], vcodes[count] + K16, _mm256_setzero_si256());
+        fast::values_block<D, kExact>(vcodes, count, scores.data() + t0, n, vscale.data(), vzero.data(), a.group,
+                                      vg, vacc.data(), zsum.data());
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t g = 0; g < a.group; ++g) {
+        fast::unpermute<D>(vacc.data() + g * D, acc.data() + g * D);
+        T* dst = out_ptr + b * o_seq + (kvh * a.group + g) * o_head;
+        for (int64_t i = 0; i < D; ++i)
+          dst[i] = static_cast<T>((acc[g * D + i] + zsum[g * groups + i / vg]) * inv_sum[g]);
+      }
+    }
+  });
+}
+#endif
+
 template <int K, int D, typename T>
 void run(const at::Tensor& out, const at::Tensor& q, const Side& ks, const Side& vs, const float* lut,
          const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
          const Shape& a, const threefold::TreeMask& mask) {
+#if defined(THREEFOLD_AVX2)
+  if constexpr (K == kInt4 && fast::kCodes<4, D>) {
+    if (!mask.active() && a.group <= kMaxHeads) {
+      switch (D / ks.groups) {  // the group in channels
+        case 16: return run_int4_codes<D, T, 1>(out, q, ks, vs, block_tables, seq_lens, scale, window, a);
+        case 32: return run_int4_codes<D, T, 2>(out, q, ks, vs, block_tables, seq_lens, scale, window, a);
+        case 64: return run_int4_codes<D, T, 4>(out, q, ks, vs, block_tables, seq_lens, scale, window, a);
+        default: break;  // other groups: the loop below
+      }
+    }
+  }
+#endif
   const T* q_ptr = q.data_ptr<T>();
   T* out_ptr = out.data_ptr<T>();
   const int64_t q_seq = q.stride(0), q_head = q.stride(1), o_seq = out.stride(0), o_head = out.stride(1);
