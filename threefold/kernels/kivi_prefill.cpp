@@ -1,4 +1,4 @@
-// threefold-exports: kivi_prefill_attention
+// threefold-exports: kivi_prefill_attention kivi_encode
 //
 // kivi_prefill_attention -- one prefill chunk's attention over a KIVI (or tiered) cache read in place,
 // in tiles: each key tile's K and V are decoded once and shared by every query row (and GQA head) of
@@ -25,6 +25,10 @@
 // them (a broadcast-FMA micro GEMM) and merged into the running softmax (flash style: running max,
 // sum, rescaled fp32 accumulator). A tile that a row tile's rows read in different forms (the window
 // boundary, the band's edge, the sinks) is decoded in each form and every row takes its own keys.
+//
+// kivi_encode -- kv/codecs/kivi.py's `encode` (and tiered.py's `split`) natively: whole blocks of exact
+// K/V quantized (min/max per key group channel and per value token channel group), packed and stored,
+// with the codes, scales and zeros the torch quantizer gives, bit for bit.
 
 #include "decode_attention.h"
 
@@ -385,3 +389,155 @@ void kivi_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at
   if (half_exact) return dispatch_bits<float, Half>(out, q, exact_k, exact_v, a);
   dispatch_bits<float, float>(out, q, exact_k, exact_v, a);
 }
+
+namespace {
+
+// ---- kivi_encode ---------------------------------------------------------------------------------
+// The quantizer's arithmetic in IEEE fp32 as torch does it, one operation at a time: no reciprocal for
+// the division, no fused multiply-add, so the codes, scales and zeros equal kv/codecs/kivi.py's.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+
+// n values x[i * stride] -> codes[i * stride] at `bits`, scale and zero (quantize_minmax).
+__attribute__((noinline)) void quantize_group(const float* x, int64_t n, int64_t stride, int bits, uint8_t* codes,
+                                              Half& scale, Half& zero) {
+  float low = x[0], high = x[0];
+  for (int64_t i = 1; i < n; ++i) low = std::min(low, x[i * stride]), high = std::max(high, x[i * stride]);
+  const float levels = static_cast<float>((1 << bits) - 1);
+  scale = Half((high - low) / levels);
+  zero = Half(low);
+  const float s = static_cast<float>(scale) > 0.f ? static_cast<float>(scale) : 1.f, z = static_cast<float>(zero);
+  for (int64_t i = 0; i < n; ++i) {
+    const float c = std::nearbyint((x[i * stride] - z) / s);
+    codes[i * stride] = static_cast<uint8_t>(std::min(std::max(c, 0.f), levels));
+  }
+}
+
+// The 4-bit grid's (scale, zero) -> its high plane's (tiered.py's _coarse): 4 s, z + 1.5 s.
+__attribute__((noinline)) void coarsen(Half& scale, Half& zero) {
+  const float s = static_cast<float>(scale), z = static_cast<float>(zero);
+  const float shift = 1.5f * s;
+  scale = Half(s * 4.f);
+  zero = Half(z + shift);
+}
+
+#pragma GCC pop_options
+
+// codes [d] (channel order) -> packed [d * bits / 8] (byte i: code[i + j * d / p] << (j * bits)) of the
+// codes' top `bits` of `fine` bits (drop = fine - bits low bits dropped).
+inline void pack_row(const uint8_t* codes, int64_t d, int bits, int drop, uint8_t* dst) {
+  const int p = 8 / bits;
+  const int64_t part = d / p;
+  for (int64_t i = 0; i < part; ++i) {
+    uint8_t byte = 0;
+    for (int j = 0; j < p; ++j) byte |= static_cast<uint8_t>((codes[i + j * part] >> drop) << (j * bits));
+    dst[i] = byte;
+  }
+}
+
+// The low 2 bits of each code, packed as 2-bit codes (tiered's low plane).
+inline void pack_low(const uint8_t* codes, int64_t d, uint8_t* dst) {
+  const int64_t part = d / 4;
+  for (int64_t i = 0; i < part; ++i) {
+    uint8_t byte = 0;
+    for (int j = 0; j < 4; ++j) byte |= static_cast<uint8_t>((codes[i + j * part] & 3) << (2 * j));
+    dst[i] = byte;
+  }
+}
+
+template <typename W>
+void encode_run(const W* k, const W* v, const int64_t* ids, int64_t n, int64_t bs, int64_t kvh_n, int64_t d,
+                int64_t group, int fine, int bits, uint8_t* k_codes, uint8_t* v_codes, Half* k_scales, Half* k_zeros,
+                Half* v_scales, Half* v_zeros, uint8_t* low) {
+  const int64_t width = d * bits / 8, low_width = d / 4, key_groups = bs / group, value_groups = d / group;
+  const int drop = fine - bits;
+  at::parallel_for(0, n * kvh_n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(bs * d);
+    std::vector<uint8_t> codes(bs * d);  // [token][channel]
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / kvh_n, h = item % kvh_n, blk = ids[i];
+      for (int side = 0; side < 2; ++side) {
+        const W* src = (side == 0 ? k : v) + (i * bs * kvh_n + h) * d;
+        for (int64_t t = 0; t < bs; ++t)
+          for (int64_t c = 0; c < d; ++c) x[t * d + c] = to_float(src[t * kvh_n * d + c]);
+        if (side == 0) {  // keys: per channel over each group of tokens
+          for (int64_t g = 0; g < key_groups; ++g)
+            for (int64_t c = 0; c < d; ++c) {
+              const int64_t m = ((blk * key_groups + g) * kvh_n + h) * d + c;
+              quantize_group(x.data() + g * group * d + c, group, d, fine, codes.data() + g * group * d + c,
+                             k_scales[m], k_zeros[m]);
+              if (drop) coarsen(k_scales[m], k_zeros[m]);
+            }
+        } else {  // values: per token over each group of channels
+          for (int64_t t = 0; t < bs; ++t)
+            for (int64_t g = 0; g < value_groups; ++g) {
+              const int64_t m = ((blk * bs + t) * kvh_n + h) * value_groups + g;
+              quantize_group(x.data() + t * d + g * group, group, 1, fine, codes.data() + t * d + g * group,
+                             v_scales[m], v_zeros[m]);
+              if (drop) coarsen(v_scales[m], v_zeros[m]);
+            }
+        }
+        uint8_t* dst = side == 0 ? k_codes : v_codes;
+        for (int64_t t = 0; t < bs; ++t) {
+          pack_row(codes.data() + t * d, d, bits, drop, dst + ((blk * bs + t) * kvh_n + h) * width);
+          if (drop) pack_low(codes.data() + t * d, d, low + (((side * n + i) * bs + t) * kvh_n + h) * low_width);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// k, v: [n, bs, kvh, d] contiguous (float32, float16 or bfloat16), whole blocks of exact K/V, into blocks
+// block_ids [n] int64 of k_codes/v_codes/scales/zeros (the kivi_prefill_attention operands). fine: the
+// quantizer's bits. fine = the codes' bits: KIVI's encode. fine = 4 beside 2-bit codes: tiered's split,
+// the high planes stored (scales and zeros coarsened) and the low planes written to low [2, n, bs, kvh, d / 4].
+void kivi_encode(at::Tensor k_codes, at::Tensor v_codes, at::Tensor k_scales, at::Tensor k_zeros, at::Tensor v_scales, at::Tensor v_zeros, at::Tensor block_ids, at::Tensor k, at::Tensor v, int64_t fine, at::Tensor low) {
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.is_contiguous() && v.is_contiguous() &&
+                  k.scalar_type() == v.scalar_type(),
+              "k and v must be contiguous [n, bs, kvh, d] of one dtype");
+  const int64_t n = k.size(0), bs = k.size(1), kvh = k.size(2), d = k.size(3);
+  TORCH_CHECK(k_codes.dim() == 4 && k_codes.sizes() == v_codes.sizes() && k_codes.is_contiguous() &&
+                  v_codes.is_contiguous() && k_codes.scalar_type() == at::kByte && k_codes.size(1) == bs &&
+                  k_codes.size(2) == kvh && (k_codes.size(3) * 8 == 2 * d || k_codes.size(3) * 8 == 4 * d),
+              "codes must be contiguous uint8 [N, bs, kvh, d * bits / 8], bits 2 or 4, with k's bs and kvh");
+  const int bits = static_cast<int>(k_codes.size(3) * 8 / d);
+  TORCH_CHECK(k_scales.dim() == 4 && k_scales.sizes() == k_zeros.sizes() && k_scales.is_contiguous() &&
+                  k_zeros.is_contiguous() && k_scales.scalar_type() == at::kHalf &&
+                  k_zeros.scalar_type() == at::kHalf && k_scales.size(0) == k_codes.size(0) &&
+                  k_scales.size(1) > 0 && bs % k_scales.size(1) == 0 && k_scales.size(2) == kvh &&
+                  k_scales.size(3) == d,
+              "key scales/zeros must be contiguous fp16 [N, bs / G, kvh, d]");
+  const int64_t group = bs / k_scales.size(1);
+  TORCH_CHECK(v_scales.dim() == 4 && v_scales.sizes() == v_zeros.sizes() && v_scales.is_contiguous() &&
+                  v_zeros.is_contiguous() && v_scales.scalar_type() == at::kHalf &&
+                  v_zeros.scalar_type() == at::kHalf && v_scales.size(0) == k_codes.size(0) &&
+                  v_scales.size(1) == bs && v_scales.size(2) == kvh && v_scales.size(3) * group == d,
+              "value scales/zeros must be contiguous fp16 [N, bs, kvh, d / G] (the keys' G)");
+  TORCH_CHECK(fine == bits || (fine == 4 && bits == 2), "fine must be the codes' bits, or 4 beside 2-bit codes");
+  TORCH_CHECK(fine == bits || (low.scalar_type() == at::kByte && low.is_contiguous() && low.dim() == 5 &&
+                               low.size(0) == 2 && low.size(1) == n && low.size(2) == bs && low.size(3) == kvh &&
+                               low.size(4) * 4 == d),
+              "low must be contiguous uint8 [2, n, bs, kvh, d / 4]");
+  TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.is_contiguous() && block_ids.dim() == 1 &&
+                  block_ids.size(0) == n,
+              "block_ids must be contiguous int64 [n]");
+  const int64_t* ids = block_ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < k_codes.size(0), "block_ids names a block out of range");
+  uint8_t* low_ptr = fine == bits ? nullptr : low.data_ptr<uint8_t>();
+  auto go = [&](auto tag) {
+    using W = decltype(tag);
+    encode_run<W>(k.data_ptr<W>(), v.data_ptr<W>(), ids, n, bs, kvh, d, group, static_cast<int>(fine), bits,
+                  k_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(), k_scales.data_ptr<Half>(),
+                  k_zeros.data_ptr<Half>(), v_scales.data_ptr<Half>(), v_zeros.data_ptr<Half>(), low_ptr);
+  };
+  switch (k.scalar_type()) {
+    case at::kFloat: return go(float{});
+    case at::kHalf: return go(Half{});
+    case at::kBFloat16: return go(at::BFloat16{});
+    default: TORCH_CHECK(false, "k and v must be float32, float16 or bfloat16");
+  }
+}
+

@@ -37,7 +37,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from threefold.kv.codecs.tiered import TieredCodec
+from threefold.kv.codecs.tiered import FINE_BITS, TieredCodec
 from threefold.kv.paged import PagedKVCache
 from threefold.kv.window import Window, WindowArena, WindowedCodec
 
@@ -91,8 +91,9 @@ class KiviAttention:
     """The AttentionFn over a KIVI cache for one step."""
 
     tiled_prefill = True
-    """Native prefill chunks through kivi_prefill_attention (False: through the decode kernel, row by row,
-    the previous path, which benchmarks/kv_codecs.py --prefill times beside it)."""
+    """Native path: blocks encoded by kivi_encode and chunks attended by kivi_prefill_attention. False: the
+    previous path, blocks encoded in torch and chunks through the decode kernel row by row (kept for
+    benchmarks/kv_codecs.py --prefill, which times both)."""
 
     def __init__(self, cache: PagedKVCache, arena: WindowArena, requests: list[KiviRequest], scale: float,
                  residual: int | None = None, rows: dict[int, int] | None = None,
@@ -180,8 +181,8 @@ class KiviAttention:
         if last > first:
             rows = slice(first * bs - lo, last * bs - lo)
             blocks = (last - first, bs, *k.shape[1:])
-            low = codec.encode(self.cache.layers[layer_idx], r.block_ids[first:last],
-                               dk[rows].reshape(blocks), dv[rows].reshape(blocks))
+            low = self._encode(layer_idx, codec, r.block_ids[first:last], dk[rows].reshape(blocks),
+                               dv[rows].reshape(blocks))
             if tiered:
                 new = torch.stack([t.flatten(0, 1) for t in low])
                 band.index_copy_(1, torch.arange(first * bs, last * bs, device=k.device) % self.arena.band_size, new)
@@ -197,6 +198,21 @@ class KiviAttention:
             return Written(lo, dk, dv)
         planes = torch.cat(lows, dim=1)
         return Written(lo, dk, dv, band_lo, planes[0], planes[1])
+
+    def _encode(self, layer_idx: int, codec: WindowedCodec, block_ids: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """codec.encode (whole blocks k, v [n, bs, kvh, d]); natively (kivi_encode, the same codes, scales
+        and zeros) for the layouts the kernels read. Returns tiered's low planes."""
+        layout = self.cache.layout(layer_idx) if self.kernels is not None else None
+        if layout is None or layout.kind not in ("kivi", "tiered") or not self.tiled_prefill:
+            return codec.encode(self.cache.layers[layer_idx], block_ids, k, v)
+        assert self.kernels is not None
+        tiered = layout.kind == "tiered"
+        low = torch.empty(2, *k.shape[:3], k.shape[3] // 4, dtype=torch.uint8, device=k.device) if tiered else _NONE
+        self.kernels.kivi_encode(layout.k, layout.v, layout.k_scales, layout.k_zeros, layout.v_scales, layout.v_zeros,
+                                 block_ids, k.contiguous(), v.contiguous(),
+                                 FINE_BITS if tiered else layout.k.shape[-1] * 8 // k.shape[-1], low)
+        return (low[0], low[1]) if tiered else None
 
     def _step_plan(self) -> _StepPlan:
         """What the native path needs of the step, the same in every layer: built at the first."""
