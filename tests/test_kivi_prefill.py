@@ -129,4 +129,4 @@ def test_prefill_kernel_rejects_bad_input(kernels):  # noqa: F811
         kernels.kivi_prefill_attention(torch.empty_like(q), q, *args[:10], meta.int(), *args[11:])
     with pytest.raises(RuntimeError, match="fine must be"):
         kernels.kivi_encode(codes, codes, k_meta, k_meta, v_meta, v_meta, torch.zeros(1, dtype=torch.long),
-                            torch.zeros(1, 16, 2, 64), torch.zeros(1, 16, 2, 64), 4, none)
+                            torch.zeros(1, 16, 2, 64), torch.zeros(1, 16, 2, 64), 3, none)

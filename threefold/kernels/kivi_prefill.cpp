@@ -156,6 +156,7 @@ void prefill_run(const at::Tensor& out, const at::Tensor& q, const W* exact_k, c
   at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
     std::vector<float> qf(max_m * d), acc(max_m * d), mx(max_m), sum(max_m), scores(max_m * kTile),
         form_scores(max_m * kTile), masked(max_m * kTile), row(d), tmp(d);
+    std::vector<uint8_t> bytes(width * kTile), low_bytes(low_width * kTile);  // a tile's codes, byte-transposed
     std::vector<float> keys(kForms * d * kTile), values(kForms * kTile * d);  // per form: [d][kTile], [kTile][d]
     for (int64_t item = bounds[part_begin]; item < bounds[part_end]; ++item) {
       const int64_t tile = item / kvh_n, kvh = item % kvh_n;
@@ -183,40 +184,64 @@ void prefill_run(const at::Tensor& out, const at::Tensor& q, const W* exact_k, c
       std::fill(mx.begin(), mx.end(), threefold::kHiddenScore);
       std::fill(sum.begin(), sum.end(), 0.f);
 
-      // The tile [t0, t1) of keys (transposed into kt) and values (vt) in form f, for t in [f0, f1); zero elsewhere.
+      // The keys [f0, f1) of the tile at t0, in form f: keys transposed into kt [d][kTile], values into vt
+      // [kTile][d]. The other columns and rows keep earlier (finite) values: no row reads them (their
+      // scores are hidden, their weights 0).
       auto decode = [&](int f, int64_t t0, int64_t f0, int64_t f1, float* kt, float* vt) {
-        std::fill(kt, kt + d * kTile, 0.f);
-        std::fill(vt, vt + kTile * d, 0.f);
-        for (int64_t t = f0; t < f1; ++t) {
-          const int64_t j = t - t0;
-          float* vrow = vt + j * d;
-          if (f == kSink || f == kExact) {
-            const int64_t index = (f == kSink ? t : t - a.exact_lo) * kvh_n + kvh;
+        if (f == kSink || f == kExact) {
+          for (int64_t t = f0; t < f1; ++t) {
+            const int64_t j = t - t0, index = (f == kSink ? t : t - a.exact_lo) * kvh_n + kvh;
             const W* ks = f == kSink ? sinks : exact_k;
             const W* vs = f == kSink ? sinks + a.sink_len * kvh_n * d : exact_v;
             widen<D>(ks + index * d, row.data(), d);
-            widen<D>(vs + index * d, vrow, d);
-          } else {
-            const int64_t blk = a.table[t / a.block_size], off = t % a.block_size;
-            const int64_t index = (blk * a.block_size + off) * kvh_n + kvh;
-            unpack_codes<B, D>(a.k_codes + index * width, row.data(), d);
-            unpack_codes<B, D>(a.v_codes + index * width, vrow, d);
+            widen<D>(vs + index * d, vt + j * d, d);
+            for (int64_t c = 0; c < d; ++c) kt[c * kTile + j] = row[c];
+          }
+          return;
+        }
+        // Quantized: the tile lies in one block. Key codes gathered byte-transposed (bytes[i][j]: byte i of
+        // key j), then decoded a channel at a time across the keys of each key group.
+        const int64_t blk = a.table[t0 / a.block_size], base = blk * a.block_size - t0 / a.block_size * a.block_size;
+        for (int64_t t = f0; t < f1; ++t) {
+          const int64_t j = t - t0, index = (base + t) * kvh_n + kvh;
+          const uint8_t* src = a.k_codes + index * width;
+          for (int64_t i = 0; i < width; ++i) bytes[i * kTile + j] = src[i];
+          float* vrow = vt + j * d;
+          unpack_codes<B, D>(a.v_codes + index * width, vrow, d);
+          if (TIERED && f == kBand) {
+            const int64_t low = ((t - a.band_lo) * kvh_n + kvh) * low_width;
+            for (int64_t i = 0; i < low_width; ++i) low_bytes[i * kTile + j] = a.band[low + i];
+            add_low_plane<D>(a.band + a.band_len * kvh_n * low_width + low, vrow, tmp.data(), d);
+          }
+          const Half* vsc = a.v_scales + index * a.value_groups;
+          const Half* vz = a.v_zeros + index * a.value_groups;
+          for (int64_t cg = 0; cg < a.value_groups; ++cg) {
+            const float sc = static_cast<float>(vsc[cg]), z = static_cast<float>(vz[cg]);
+            for (int64_t c = cg * vg; c < (cg + 1) * vg; ++c) vrow[c] = vrow[c] * sc + z;
+          }
+        }
+        constexpr int P = 8 / B, mask = (1 << B) - 1;
+        const int64_t part = d / P;
+        for (int64_t t = f0; t < f1;) {  // one key group's keys at a time: one scale and zero per channel
+          const int64_t off = (base + t) - blk * a.block_size, end_t = std::min(f1, t - off % a.key_group + a.key_group);
+          const int64_t j0 = t - t0, j1 = end_t - t0;
+          const int64_t km = ((blk * (a.block_size / a.key_group) + off / a.key_group) * kvh_n + kvh) * d;
+          for (int64_t c = 0; c < d; ++c) {
+            const float sc = static_cast<float>(a.k_scales[km + c]), z = static_cast<float>(a.k_zeros[km + c]);
+            const uint8_t* b = bytes.data() + (c % part) * kTile;
+            const int shift = static_cast<int>(c / part) * B;
+            float* dst = kt + c * kTile;
             if (TIERED && f == kBand) {
-              const int64_t low = ((t - a.band_lo) * kvh_n + kvh) * low_width;
-              add_low_plane<D>(a.band + low, row.data(), tmp.data(), d);
-              add_low_plane<D>(a.band + a.band_len * kvh_n * low_width + low, vrow, tmp.data(), d);
-            }
-            const int64_t km = ((blk * (a.block_size / a.key_group) + off / a.key_group) * kvh_n + kvh) * d;
-            for (int64_t c = 0; c < d; ++c)
-              row[c] = row[c] * static_cast<float>(a.k_scales[km + c]) + static_cast<float>(a.k_zeros[km + c]);
-            const Half* vsc = a.v_scales + index * a.value_groups;
-            const Half* vz = a.v_zeros + index * a.value_groups;
-            for (int64_t cg = 0; cg < a.value_groups; ++cg) {
-              const float sc = static_cast<float>(vsc[cg]), z = static_cast<float>(vz[cg]);
-              for (int64_t c = cg * vg; c < (cg + 1) * vg; ++c) vrow[c] = vrow[c] * sc + z;
+              const uint8_t* lb = low_bytes.data() + (c % low_width) * kTile;
+              const int low_shift = static_cast<int>(c / low_width) * 2;
+              for (int64_t j = j0; j < j1; ++j)
+                dst[j] = (static_cast<float>((b[j] >> shift) & mask) + 0.25f * static_cast<float>((lb[j] >> low_shift) & 3) -
+                          0.375f) * sc + z;
+            } else {
+              for (int64_t j = j0; j < j1; ++j) dst[j] = static_cast<float>((b[j] >> shift) & mask) * sc + z;
             }
           }
-          for (int64_t c = 0; c < d; ++c) kt[c * kTile + j] = row[c];
+          t = end_t;
         }
       };
 
