@@ -99,7 +99,8 @@ def test_encode_matches_the_torch_quantizer_bit_for_bit(kernels, dtype, spec, kv
     k = torch.randn(n, bs, kvh, d, generator=gen) * torch.rand(n, 1, kvh, d, generator=gen) * 4
     v = torch.randn(n, bs, kvh, d, generator=gen) * 3
     k[0, :, 0, 3], v[1, 2, 1, :], k[2, 3, 1, 5] = 0.7, -1.25, 300.0
-    k[3], v[3] = torch.randint(-8, 8, k[3].shape, generator=gen) / 4, torch.randint(-8, 8, v[3].shape, generator=gen) / 4
+    k[3] = torch.randint(-8, 8, k[3].shape, generator=gen) / 4  # exact halves of a step: round half to even
+    v[3] = torch.randint(-8, 8, v[3].shape, generator=gen) / 4
     k, v = k.to(dtype), v.to(dtype)
     ids = torch.randperm(n, generator=gen) + 2
     torch_cache, native_cache = (PagedKVCache(codec, 1, n + 3, bs, torch.device("cpu")) for _ in range(2))

@@ -19,9 +19,11 @@ in this very step is encoded before any request reads it.
 
 Two paths compute the same thing (chosen per step, logged once):
 
-    native kernel   kernels/kivi_attention.cpp reads the packed blocks in place (kivi2/kivi4,
-                    not GEAR/turboquant): all decode rows of a step in one call over the rings,
-                    each prefill chunk one call over its exact K/V
+    native kernels  kernels/kivi_attention.cpp reads the packed blocks in place (kivi2/kivi4 and
+                    tiered, not GEAR/turboquant): all decode rows of a step in one call over the
+                    rings; kernels/kivi_prefill.cpp takes each prefill chunk in one call over its
+                    exact K/V, decoding each key tile once for a tile of rows, and encodes the
+                    blocks a step completes (kivi_encode: the torch quantizer's codes, bit for bit)
     plain torch     blocks dequantized (`read_blocks`) and one masked SDPA per request: the
                     reference, for tests, machines without a compiler, GEAR and turboquant
 """
@@ -184,6 +186,7 @@ class KiviAttention:
             low = self._encode(layer_idx, codec, r.block_ids[first:last], dk[rows].reshape(blocks),
                                dv[rows].reshape(blocks))
             if tiered:
+                assert low is not None
                 new = torch.stack([t.flatten(0, 1) for t in low])
                 band.index_copy_(1, torch.arange(first * bs, last * bs, device=k.device) % self.arena.band_size, new)
                 lows.append(new)
@@ -305,7 +308,7 @@ class KiviAttention:
         meta = torch.tensor([[self.quantized_len(r.window, n, residual) for n in ns], list(ns),
                              [0] * len(ns), [written.lo] * len(ns)], device=device)
         tables = r.block_ids.unsqueeze(0).expand(len(ns), -1).contiguous()
-        extra = ()
+        extra: tuple[torch.Tensor, ...] = ()
         if tiered is not None:
             assert written.k_low is not None and written.v_low is not None
             band = torch.stack([written.k_low, written.v_low]).unsqueeze(1)  # [2, 1, planes, kvh, d / 4]
