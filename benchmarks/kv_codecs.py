@@ -306,7 +306,7 @@ def prefill_rows(model: str, codecs: list[str], prompt_tokens: int, repeats: int
                 start = time.perf_counter()
                 llm.generate(prompt, params)
                 times.append(time.perf_counter() - start)
-            rows.append({"codec": spec, "path": "tiled" if tiled or not windowed else "previous",
+            rows.append({"codec": spec, "path": ("tiled" if tiled else "previous") if windowed else "",
                          "prompt_tokens": prompt_tokens, "best_s": min(times),
                          "median_s": sorted(times)[len(times) // 2], "load_avg": os.getloadavg()[0]})
             print(json.dumps(rows[-1]), flush=True)

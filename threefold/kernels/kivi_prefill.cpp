@@ -452,32 +452,55 @@ void kivi_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at
 namespace {
 
 // ---- kivi_encode ---------------------------------------------------------------------------------
+// Each group's minimum and maximum (exact in any order: -ffast-math may vectorize them).
+inline void column_range(const float* x, int64_t rows, int64_t cols, float* low, float* high) {
+  for (int64_t c = 0; c < cols; ++c) low[c] = high[c] = x[c];
+  for (int64_t r = 1; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) low[c] = std::min(low[c], x[r * cols + c]), high[c] = std::max(high[c], x[r * cols + c]);
+}
+
+inline void row_range(const float* x, int64_t n, float& low, float& high) {
+  low = high = x[0];
+  for (int64_t i = 1; i < n; ++i) low = std::min(low, x[i]), high = std::max(high, x[i]);
+}
+
 // The quantizer's arithmetic in IEEE fp32 as torch does it, one operation at a time: no reciprocal for
 // the division, no fused multiply-add, so the codes, scales and zeros equal kv/codecs/kivi.py's.
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
 
-// n values x[i * stride] -> codes[i * stride] at `bits`, scale and zero (quantize_minmax).
-__attribute__((noinline)) void quantize_group(const float* x, int64_t n, int64_t stride, int bits, uint8_t* codes,
-                                              Half& scale, Half& zero) {
-  float low = x[0], high = x[0];
-  for (int64_t i = 1; i < n; ++i) low = std::min(low, x[i * stride]), high = std::max(high, x[i * stride]);
+// n groups' ranges -> their scale and zero (fp16, quantize_minmax's) and, as fp32, the divisor s (1 where
+// the scale is 0: a constant group) and zero z the codes are computed with.
+__attribute__((noinline)) void grids(const float* low, const float* high, int64_t n, int bits, Half* scale, Half* zero,
+                                     float* s, float* z) {
   const float levels = static_cast<float>((1 << bits) - 1);
-  scale = Half((high - low) / levels);
-  zero = Half(low);
-  const float s = static_cast<float>(scale) > 0.f ? static_cast<float>(scale) : 1.f, z = static_cast<float>(zero);
   for (int64_t i = 0; i < n; ++i) {
-    const float c = std::nearbyint((x[i * stride] - z) / s);
-    codes[i * stride] = static_cast<uint8_t>(std::min(std::max(c, 0.f), levels));
+    scale[i] = Half((high[i] - low[i]) / levels);
+    zero[i] = Half(low[i]);
+    s[i] = static_cast<float>(scale[i]) > 0.f ? static_cast<float>(scale[i]) : 1.f;
+    z[i] = static_cast<float>(zero[i]);
   }
 }
 
+// codes[r][c] = clamp(round_half_even((x[r][c] - z[c]) / s[c]), 0, 2^bits - 1) for r < rows, c < cols.
+__attribute__((noinline)) void code_rows(const float* __restrict x, int64_t rows, int64_t cols, const float* s,
+                                         const float* z, int bits, uint8_t* __restrict codes) {
+  const float levels = static_cast<float>((1 << bits) - 1);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float q = std::nearbyint((x[r * cols + c] - z[c]) / s[c]);
+      codes[r * cols + c] = static_cast<uint8_t>(std::min(std::max(q, 0.f), levels));
+    }
+}
+
 // The 4-bit grid's (scale, zero) -> its high plane's (tiered.py's _coarse): 4 s, z + 1.5 s.
-__attribute__((noinline)) void coarsen(Half& scale, Half& zero) {
-  const float s = static_cast<float>(scale), z = static_cast<float>(zero);
-  const float shift = 1.5f * s;
-  scale = Half(s * 4.f);
-  zero = Half(z + shift);
+__attribute__((noinline)) void coarsen(Half* scale, Half* zero, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float s = static_cast<float>(scale[i]), z = static_cast<float>(zero[i]);
+    const float shift = 1.5f * s;
+    scale[i] = Half(s * 4.f);
+    zero[i] = Half(z + shift);
+  }
 }
 
 #pragma GCC pop_options
@@ -511,7 +534,7 @@ void encode_run(const W* k, const W* v, const int64_t* ids, int64_t n, int64_t b
   const int64_t width = d * bits / 8, low_width = d / 4, key_groups = bs / group, value_groups = d / group;
   const int drop = fine - bits;
   at::parallel_for(0, n * kvh_n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> x(bs * d);
+    std::vector<float> x(bs * d), mins(d), maxs(d), s(d), z(d);
     std::vector<uint8_t> codes(bs * d);  // [token][channel]
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / kvh_n, h = item % kvh_n, blk = ids[i];
@@ -520,21 +543,23 @@ void encode_run(const W* k, const W* v, const int64_t* ids, int64_t n, int64_t b
         for (int64_t t = 0; t < bs; ++t)
           for (int64_t c = 0; c < d; ++c) x[t * d + c] = to_float(src[t * kvh_n * d + c]);
         if (side == 0) {  // keys: per channel over each group of tokens
-          for (int64_t g = 0; g < key_groups; ++g)
-            for (int64_t c = 0; c < d; ++c) {
-              const int64_t m = ((blk * key_groups + g) * kvh_n + h) * d + c;
-              quantize_group(x.data() + g * group * d + c, group, d, fine, codes.data() + g * group * d + c,
-                             k_scales[m], k_zeros[m]);
-              if (drop) coarsen(k_scales[m], k_zeros[m]);
-            }
+          for (int64_t g = 0; g < key_groups; ++g) {
+            const int64_t m = ((blk * key_groups + g) * kvh_n + h) * d;
+            const float* rows = x.data() + g * group * d;
+            column_range(rows, group, d, mins.data(), maxs.data());
+            grids(mins.data(), maxs.data(), d, fine, k_scales + m, k_zeros + m, s.data(), z.data());
+            code_rows(rows, group, d, s.data(), z.data(), fine, codes.data() + g * group * d);
+            if (drop) coarsen(k_scales + m, k_zeros + m, d);
+          }
         } else {  // values: per token over each group of channels
-          for (int64_t t = 0; t < bs; ++t)
-            for (int64_t g = 0; g < value_groups; ++g) {
-              const int64_t m = ((blk * bs + t) * kvh_n + h) * value_groups + g;
-              quantize_group(x.data() + t * d + g * group, group, 1, fine, codes.data() + t * d + g * group,
-                             v_scales[m], v_zeros[m]);
-              if (drop) coarsen(v_scales[m], v_zeros[m]);
-            }
+          for (int64_t t = 0; t < bs; ++t) {
+            const int64_t m = ((blk * bs + t) * kvh_n + h) * value_groups;
+            for (int64_t g = 0; g < value_groups; ++g) row_range(x.data() + t * d + g * group, group, mins[g], maxs[g]);
+            grids(mins.data(), maxs.data(), value_groups, fine, v_scales + m, v_zeros + m, s.data(), z.data());
+            for (int64_t c = d - 1; c >= 0; --c) s[c] = s[c / group], z[c] = z[c / group];  // per channel
+            code_rows(x.data() + t * d, 1, d, s.data(), z.data(), fine, codes.data() + t * d);
+            if (drop) coarsen(v_scales + m, v_zeros + m, value_groups);
+          }
         }
         uint8_t* dst = side == 0 ? k_codes : v_codes;
         for (int64_t t = 0; t < bs; ++t) {
