@@ -11,6 +11,10 @@ against `auto` and top-1 agreement over all positions. Fidelity: the model's rea
 first context round-tripped through each codec, attention recomputed (cosines, top-1 key).
 Speed: one layer's decode attention (native kernels, KIVI's too; GEAR, TurboQuant: their
 plain-torch path) per token at 1k and 4k contexts (--speed-lengths), batch 4, against `auto`.
+Prefill (--prefill, under the lock): one prompt of --prompt-tokens concatenated test-split conversations
+in one chunk, timed end to end (LLM.generate, 1 output token; best and median of --repeats), per codec,
+and for KIVI / tiered also through the previous path (blocks encoded in torch, chunks through the decode
+kernel row by row: KiviAttention.tiled_prefill = False), against `auto`.
 Throughput (--throughput, under the lock): offline ShareGPT first turns through LLM.generate
 at a small KV budget (--budget, 64 MiB), per codec: output tok/s and the most sequences that
 ran at once, against `auto` (--long-prompts: every prompt --prompt-tokens long, concatenated
@@ -291,6 +295,38 @@ def throughput_rows(model: str, codecs: list[str], budget: int, num_prompts: int
     return rows
 
 
+def prefill_rows(model: str, codecs: list[str], prompt_tokens: int, repeats: int) -> list[dict]:
+    """One prompt of prompt_tokens in one chunk, timed end to end per codec (and per path for KIVI and
+    tiered: the tiled kernels, then the previous path); the first codec is the ratios' baseline."""
+    from threefold.sample.params import SamplingParams
+    from threefold.worker.kivi_attention import KiviAttention
+
+    rows: list[dict] = []
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for spec in codecs:
+        llm = LLM(model, dtype="auto", kv_cache_dtype=spec, kv_cache_memory=256 << 20,
+                  block_size=block_size_for(spec), max_model_len=prompt_tokens + 8,
+                  max_num_batched_tokens=prompt_tokens, enable_prefix_caching=False)
+        prompt = [{"prompt_token_ids": contexts(llm.engine.core.loaded.tokenizer, 1, prompt_tokens)[0]}]
+        windowed = any(layout.kind in ("kivi", "tiered") for layout in llm.engine.core.runner.kv_cache.layouts)
+        for tiled in ([True, False] if windowed else [True]):
+            KiviAttention.tiled_prefill = tiled
+            llm.generate(prompt, params)  # warm-up
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                llm.generate(prompt, params)
+                times.append(time.perf_counter() - start)
+            rows.append({"codec": spec, "path": ("tiled" if tiled else "previous") if windowed else "",
+                         "prompt_tokens": prompt_tokens, "best_s": min(times),
+                         "median_s": sorted(times)[len(times) // 2], "load_avg": os.getloadavg()[0]})
+            print(json.dumps(rows[-1]), flush=True)
+        KiviAttention.tiled_prefill = True
+    for row in rows:
+        row["best_vs_auto"] = row["best_s"] / rows[0]["best_s"]
+    return rows
+
+
 def vllm_rows(model: str, kv_dtypes: list[str], budget: int, prompts: list[dict], output_tokens: int,
               baseline: dict) -> list[dict]:
     """vLLM CPU (its peer venv) on the same prompts at the same KV bytes, per kv_cache_dtype (auto, fp8):
@@ -357,6 +393,8 @@ def main() -> None:
     parser.add_argument("--speed-dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--speed-lengths", default="1024,4096", help="decode attention contexts, comma-separated")
     parser.add_argument("--throughput", action="store_true", help="offline ShareGPT throughput at --budget (only)")
+    parser.add_argument("--prefill", action="store_true", help="one --prompt-tokens prompt's prefill time (only)")
+    parser.add_argument("--repeats", type=int, default=3, help="--prefill: timed runs per codec and path")
     parser.add_argument("--budget", type=int, default=64 << 20, help="--throughput: KV bytes")
     parser.add_argument("--num-prompts", type=int, default=48)
     parser.add_argument("--prompt-tokens", type=int, default=512)
@@ -372,6 +410,10 @@ def main() -> None:
     from threefold.model.loader import load_model
 
     codecs = split_specs(ns.codecs)
+    if ns.prefill:  # codecs[0] is the baseline of the ratios
+        rows = prefill_rows(ns.model, codecs, ns.prompt_tokens, ns.repeats)
+        print(json.dumps({"cpu": cpu_info().describe(), "prefill": rows}, indent=1), flush=True)
+        return
     if ns.throughput:  # codecs[0] is the baseline of the ratios
         result = {"cpu": cpu_info().describe(), "throughput": throughput_rows(
             ns.model, codecs, ns.budget, ns.num_prompts, ns.prompt_tokens, ns.output_tokens, ns.long_prompts)}

@@ -19,15 +19,18 @@ in this very step is encoded before any request reads it.
 
 Two paths compute the same thing (chosen per step, logged once):
 
-    native kernel   kernels/kivi_attention.cpp reads the packed blocks in place (kivi2/kivi4,
-                    not GEAR/turboquant): all decode rows of a step in one call over the rings,
-                    each prefill chunk one call over its exact K/V
+    native kernels  kernels/kivi_attention.cpp reads the packed blocks in place (kivi2/kivi4 and
+                    tiered, not GEAR/turboquant): all decode rows of a step in one call over the
+                    rings; kernels/kivi_prefill.cpp takes each prefill chunk in one call over its
+                    exact K/V, decoding each key tile once for a tile of rows, and encodes the
+                    blocks a step completes (kivi_encode: the torch quantizer's codes, bit for bit)
     plain torch     blocks dequantized (`read_blocks`) and one masked SDPA per request: the
                     reference, for tests, machines without a compiler, GEAR and turboquant
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -36,13 +39,15 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from threefold.kv.codecs.tiered import TieredCodec
+from threefold.kv.codecs.tiered import FINE_BITS, TieredCodec
 from threefold.kv.paged import PagedKVCache
 from threefold.kv.window import Window, WindowArena, WindowedCodec
 
 logger = logging.getLogger(__name__)
 
 _ROWS = 256
+_NONE = torch.empty(0, dtype=torch.uint8)
+"""kivi_prefill_attention's band and sinks where a codec has none (KIVI)."""
 """Query rows per SDPA call: bounds the [H, rows, keys] scores of a long first chunk."""
 KINDS = ("quantized", "middle", "sink", "exact")
 """Where a key of the reference path comes from: its block (2 bits for `tiered`: far), `tiered`'s 4-bit
@@ -80,10 +85,17 @@ class _StepPlan:
     """The other decodes' query rows, ring slots and ring rows."""
     decodes: list[int]
     decode_args: dict[int, tuple[torch.Tensor, ...]]
+    prefill_meta: dict[tuple[int, int], torch.Tensor] = dataclasses.field(default_factory=dict)
+    """(request, residual) -> a chunk's row meta for kivi_prefill_attention."""
 
 
 class KiviAttention:
     """The AttentionFn over a KIVI cache for one step."""
+
+    tiled_prefill = True
+    """Native path: blocks encoded by kivi_encode and chunks attended by kivi_prefill_attention. False: the
+    previous path, blocks encoded in torch and chunks through the decode kernel row by row (kept for
+    benchmarks/kv_codecs.py --prefill, which times both)."""
 
     def __init__(self, cache: PagedKVCache, arena: WindowArena, requests: list[KiviRequest], scale: float,
                  residual: int | None = None, rows: dict[int, int] | None = None,
@@ -171,9 +183,10 @@ class KiviAttention:
         if last > first:
             rows = slice(first * bs - lo, last * bs - lo)
             blocks = (last - first, bs, *k.shape[1:])
-            low = codec.encode(self.cache.layers[layer_idx], r.block_ids[first:last],
-                               dk[rows].reshape(blocks), dv[rows].reshape(blocks))
+            low = self._encode(layer_idx, codec, r.block_ids[first:last], dk[rows].reshape(blocks),
+                               dv[rows].reshape(blocks))
             if tiered:
+                assert low is not None
                 new = torch.stack([t.flatten(0, 1) for t in low])
                 band.index_copy_(1, torch.arange(first * bs, last * bs, device=k.device) % self.arena.band_size, new)
                 lows.append(new)
@@ -188,6 +201,21 @@ class KiviAttention:
             return Written(lo, dk, dv)
         planes = torch.cat(lows, dim=1)
         return Written(lo, dk, dv, band_lo, planes[0], planes[1])
+
+    def _encode(self, layer_idx: int, codec: WindowedCodec, block_ids: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """codec.encode (whole blocks k, v [n, bs, kvh, d]); natively (kivi_encode, the same codes, scales
+        and zeros) for the layouts the kernels read. Returns tiered's low planes."""
+        layout = self.cache.layout(layer_idx) if self.kernels is not None else None
+        if layout is None or layout.kind not in ("kivi", "tiered") or not self.tiled_prefill:
+            return codec.encode(self.cache.layers[layer_idx], block_ids, k, v)
+        assert self.kernels is not None
+        tiered = layout.kind == "tiered"
+        low = torch.empty(2, *k.shape[:3], k.shape[3] // 4, dtype=torch.uint8, device=k.device) if tiered else _NONE
+        self.kernels.kivi_encode(layout.k, layout.v, layout.k_scales, layout.k_zeros, layout.v_scales, layout.v_zeros,
+                                 block_ids, k.contiguous(), v.contiguous(),
+                                 FINE_BITS if tiered else layout.k.shape[-1] * 8 // k.shape[-1], low)
+        return (low[0], low[1]) if tiered else None
 
     def _step_plan(self) -> _StepPlan:
         """What the native path needs of the step, the same in every layer: built at the first."""
@@ -254,21 +282,56 @@ class KiviAttention:
         for i, r in enumerate(self.requests):
             if r.query_len == 1:
                 continue
-            written = dense[i]
             span = slice(r.query_start, r.query_start + r.query_len)
-            ns = range(r.context_len + 1, r.context_len + r.query_len + 1)
-            meta = torch.tensor([[self.quantized_len(r.window, n, residual) for n in ns], list(ns),
-                                 [0] * len(ns), [written.lo] * len(ns)], device=device)
-            tables = r.block_ids.unsqueeze(0).expand(len(ns), -1).contiguous()
-            extra = ()
-            if tiered is not None:
-                assert written.k_low is not None and written.v_low is not None
-                band = torch.stack([written.k_low, written.v_low]).unsqueeze(1)  # [2, 1, planes, kvh, d / 4]
-                if not band.shape[2]:  # no middle band yet: the kernel reads none of it
-                    band = torch.zeros(2, 1, 1, *band.shape[3:], dtype=band.dtype, device=device)
-                extra = (band, sinks, self._tier_meta(tiered, residual, r, ns, 0, written.band_lo))
-            self._kernel(layout, out[span], q[span], torch.stack([written.k, written.v]).unsqueeze(1), tables, meta,
-                         *extra)
+            chunk = self._chunk_tiled if self.tiled_prefill else self._chunk_rowwise
+            chunk(i, layout, residual, tiered, sinks, q[span], dense[i], out[span])
+
+    def _chunk_tiled(self, i: int, layout, residual: int, tiered: TieredCodec | None, sinks: torch.Tensor,
+                     q: torch.Tensor, written: Written, out: torch.Tensor) -> None:
+        """Request i's prefill chunk through kivi_prefill_attention: key tiles decoded once for tiles of rows."""
+        assert self.kernels is not None
+        r, band, sink_rows = self.requests[i], _NONE, _NONE
+        if tiered is not None:
+            assert written.k_low is not None and written.v_low is not None
+            band = torch.stack([written.k_low, written.v_low])  # [2, planes, kvh, d / 4]
+            sink_rows = sinks[:, r.window.slot].contiguous()
+        self.kernels.kivi_prefill_attention(
+            out, q, layout.k, layout.v, layout.k_scales, layout.k_zeros, layout.v_scales, layout.v_zeros, written.k,
+            written.v, written.lo, r.block_ids, self._prefill_meta(i, residual, tiered), r.context_len, band,
+            written.band_lo, sink_rows, tiered is not None, self.scale)
+
+    def _chunk_rowwise(self, i: int, layout, residual: int, tiered: TieredCodec | None, sinks: torch.Tensor,
+                       q: torch.Tensor, written: Written, out: torch.Tensor) -> None:
+        """Request i's prefill chunk through the decode kernel, every row decoding its whole context."""
+        r, device = self.requests[i], q.device
+        ns = range(r.context_len + 1, r.context_len + r.query_len + 1)
+        meta = torch.tensor([[self.quantized_len(r.window, n, residual) for n in ns], list(ns),
+                             [0] * len(ns), [written.lo] * len(ns)], device=device)
+        tables = r.block_ids.unsqueeze(0).expand(len(ns), -1).contiguous()
+        extra: tuple[torch.Tensor, ...] = ()
+        if tiered is not None:
+            assert written.k_low is not None and written.v_low is not None
+            band = torch.stack([written.k_low, written.v_low]).unsqueeze(1)  # [2, 1, planes, kvh, d / 4]
+            if not band.shape[2]:  # no middle band yet: the kernel reads none of it
+                band = torch.zeros(2, 1, 1, *band.shape[3:], dtype=band.dtype, device=device)
+            extra = (band, sinks, self._tier_meta(tiered, residual, r, ns, 0, written.band_lo))
+        self._kernel(layout, out, q, torch.stack([written.k, written.v]).unsqueeze(1), tables, meta, *extra)
+
+    def _prefill_meta(self, i: int, residual: int, tiered: TieredCodec | None) -> torch.Tensor:
+        """kivi_prefill_attention's row meta [3, rows] for request i's chunk: nq, nm, ns per row (the same
+        in every layer of a residual: built once)."""
+        plan = self._step_plan()
+        if (i, residual) not in plan.prefill_meta:
+            r, bs = self.requests[i], self.block_size
+            n = torch.arange(r.context_len + 1, r.context_len + r.query_len + 1, device=self.arena.ring.device)
+            nq = (n - residual).div(bs, rounding_mode="floor").mul(bs).clamp(min=r.window.start)
+            if tiered is None:
+                meta = torch.stack([nq, nq, torch.zeros_like(nq)])
+            else:
+                sinks = tiered.sink if r.window.start == 0 else 0
+                meta = torch.stack([nq, (nq - tiered.middle).clamp(min=r.window.start), nq.clamp(max=sinks)])
+            plan.prefill_meta[i, residual] = meta
+        return plan.prefill_meta[i, residual]
 
     def _kernel(self, layout, out: torch.Tensor, q: torch.Tensor, ring: torch.Tensor, tables: torch.Tensor,
                 meta: torch.Tensor, *tier: torch.Tensor) -> None:
