@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from threefold.cpu import has_native_bf16
 from threefold.errors import ThreefoldError
 from threefold.spec.heads import HEAD_METHODS, EagleHead, HeadsConfig, MedusaHeads, build_heads, save_heads
 
@@ -282,7 +283,7 @@ def medusa_loss(heads: MedusaHeads, lm_head: Tensor, batch: Batch) -> tuple[Tens
             break
         shifted = torch.zeros_like(batch.labels)
         shifted[:, : length - i - 1] = batch.labels[:, i + 1 :]
-        logits = F.linear(outputs[i][rows], lm_head)
+        logits = F.linear(outputs[i][rows], lm_head).float()
         labels = shifted[rows]
         loss = loss + F.cross_entropy(logits, labels)
         hits.append((int((logits.argmax(-1) == labels).sum()), len(labels)))
@@ -297,9 +298,9 @@ def eagle_loss(head: EagleHead, embed: Tensor, lm_head: Tensor, batch: Batch) ->
                      F.embedding(batch.tokens[:, 1:], embed).reshape(-1, hidden),
                      torch.arange(1, length).repeat(size), batched_causal_attention(pairs)).view(size, pairs, hidden)
     rows = batch.rows(1)[:, :pairs]
-    predicted = predicted[rows]
+    predicted = predicted[rows].float()
     regression = F.smooth_l1_loss(predicted, batch.features[:, 1:][rows])
-    logits = F.linear(predicted, lm_head)
+    logits = F.linear(predicted, lm_head).float()
     labels = batch.labels[:, 1:][rows]
     classification = F.cross_entropy(logits, labels)
     return regression + EAGLE_CLASSIFICATION_WEIGHT * classification, [
@@ -330,9 +331,12 @@ def train(method: str, loaded, out_dir: Path | None, num_tokens: int = 200_000, 
           steps: int = 2000, lr: float = 1e-3, num_heads: int = 4, seed: int = 0,
           token_sequences: list[list[int]] | None = None, log_every: int = 50,
           save_dtype: str = "float32", command: str | None = None, data: list[Sequence] | None = None,
-          data_info: dict | None = None, batch_size: int = 1, val_fraction: float = 0.0) -> TrainResult:
+          data_info: dict | None = None, batch_size: int = 1, val_fraction: float = 0.0,
+          autocast: bool | None = None) -> TrainResult:
     """Train heads for `loaded` (a LoadedModel in float32); save them to out_dir if given. The data:
-    `data` (e.g. self_distillation_data's), else `token_sequences`, else ShareGPT conversations."""
+    `data` (e.g. self_distillation_data's), else `token_sequences`, else ShareGPT conversations.
+    autocast: matmuls in bf16 (float32 weights, losses and optimizer), by default where the CPU
+    has native bf16 (most of a step is the LM head over every counted row)."""
     if method not in HEAD_METHODS:
         raise ThreefoldError(f"train-draft trains {' or '.join(HEAD_METHODS)} heads, not {method!r}.", param="method")
     if loaded.config.dtype != torch.float32:
@@ -353,11 +357,16 @@ def train(method: str, loaded, out_dir: Path | None, num_tokens: int = 200_000, 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _warmup_cosine(s, steps))
     lm_head, embed = model.lm_head.weight, model.embed_tokens.weight
 
+    autocast = has_native_bf16() if autocast is None else autocast
+    if autocast:  # cast once, not in every step's forward and backward (the LM head is 28M weights for SmolLM2)
+        lm_head = lm_head.to(torch.bfloat16)
+
     def loss_of(batch: Batch) -> tuple[Tensor, Hits]:
-        if isinstance(heads, MedusaHeads):
-            return medusa_loss(heads, lm_head, batch)
-        assert isinstance(heads, EagleHead)
-        return eagle_loss(heads, embed, lm_head, batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if isinstance(heads, MedusaHeads):
+                return medusa_loss(heads, lm_head, batch)
+            assert isinstance(heads, EagleHead)
+            return eagle_loss(heads, embed, lm_head, batch)
 
     losses, hits = [], []
     batches = _batches(train_data, batch_size, random.Random(seed))
@@ -383,7 +392,8 @@ def train(method: str, loaded, out_dir: Path | None, num_tokens: int = 200_000, 
     rows = sum(max(0, len(s.token_ids) - s.first_row - 1) for s in train_data)
     config.recipe = {**(data_info or {}), "sequences": len(train_data), "held_out_sequences": len(val_data),
                      "tokens": sum(len(s.token_ids) for s in train_data), "loss_rows": rows,
-                     "batch_size": batch_size, "steps": steps, "epochs": round(steps * batch_size / len(train_data), 2),
+                     "batch_size": batch_size, "autocast_bf16": autocast,
+                     "steps": steps, "epochs": round(steps * batch_size / len(train_data), 2),
                      "lr": lr, "seed": seed, "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
                      "train_top1": [round(a, 4) for a in mean_accuracy],
                      "val_top1": [round(a, 4) for a in val_accuracy] if val_accuracy else None,
