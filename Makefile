@@ -81,15 +81,18 @@ bench-decode: setup
 	$(BIN)/threefold bench peers convert --model smollm2-135m  # once: transformers reads an HF directory
 	$(BIN)/python benchmarks/decode.py --engines $(DECODE_ENGINES) --out-dir results/decode
 
-# Speculative-decoding heads for SmolLM2-135M, self-distilled on ShareGPT's train split (README:
-# "Speculative decoding"); they land in $$THREEFOLD_HOME/heads/, where speculative_config's
-# {"method": "eagle", "model": "smollm2-135m-eagle"} finds them. CPU only, tens of minutes.
+# Speculative-decoding heads for SmolLM2-135M, self-distilled: the target answers 1,200 ShareGPT-train
+# prompts in the engine (greedy, <= 128 tokens), its features are computed once and cached under
+# $$THREEFOLD_HOME/heads/data/ (the second command reuses them), and the heads learn its answers (README:
+# "Training heads"). They land in $$THREEFOLD_HOME/heads/, where speculative_config's
+# {"method": "eagle", "model": "smollm2-135m-eagle"} finds them. CPU only, about an hour on 2 shared cores.
 HEADS := $${THREEFOLD_HOME:-$$HOME/.cache/threefold}/heads
+SELF_DATA := --data self --num-prompts 1200 --max-new-tokens 128 --batch-size 8
 heads: setup
 	$(BIN)/threefold train-draft --method eagle --model smollm2-135m --out $(HEADS)/smollm2-135m-eagle \
-		--num-tokens 24000 --seq-len 256 --steps 400 --lr 1e-3
+		$(SELF_DATA) --steps 200 --lr 1e-3
 	$(BIN)/threefold train-draft --method medusa --model smollm2-135m --out $(HEADS)/smollm2-135m-medusa \
-		--num-tokens 12000 --seq-len 256 --steps 200 --lr 1e-3 --num-heads 4
+		$(SELF_DATA) --steps 80 --lr 2e-3 --num-heads 4
 
 clean:
 	rm -rf $(VENV)

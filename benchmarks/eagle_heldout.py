@@ -1,10 +1,14 @@
 """EAGLE head: top-1 in training, on held-out text, and as the engine feeds it (issue 11).
 
     tfrun .venv/bin/python benchmarks/eagle_heldout.py --heads ~/.cache/threefold/heads/smollm2-135m-eagle
+    tfrun .venv/bin/python benchmarks/eagle_heldout.py --heads OLD_DIR,NEW_DIR   # side by side, same text
 
 Rows (each the head's top-1 agreement with the target's greedy next token):
 
-    train (in-sample)     the recipe's own ShareGPT train sequences, fp32 target (what train_top1 reports)
+    train (in-sample)     the recipe's own training sequences (ShareGPT as written, or the target's own
+                          answers to train-split prompts for `--data self` heads), fp32 target
+    own answers held out  `--data self` heads: the data's held-out sequences (train-split prompts the
+                          head never saw), at the answers' positions, bf16 features as trained
     test (held-out)       the same construction on ShareGPT's test split, fp32 and bf16 target
     own output, depth 1   greedy continuations the engine generated (bf16, speculation off) for the
                           benchmark's prompts: the head on the real pairs, at the generated positions
@@ -30,7 +34,7 @@ from threefold.engine.llm_engine import EngineArgs, LLMEngine
 from threefold.model.loader import load_model
 from threefold.sample.params import SamplingParams
 from threefold.spec.heads import EagleHead, load_heads
-from threefold.spec.train import causal_attention, sharegpt_token_sequences
+from threefold.spec.train import causal_attention, load_sequences, sharegpt_token_sequences
 from threefold.spec.tree import masked_attention
 
 
@@ -111,40 +115,65 @@ def main() -> None:
     from spec_decode import humaneval_prompts, sharegpt_prompts
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--heads", default=str(Path.home() / ".cache/threefold/heads/smollm2-135m-eagle"))
+    parser.add_argument("--heads", default=str(Path.home() / ".cache/threefold/heads/smollm2-135m-eagle"),
+                        help="EAGLE head directories, comma-separated: each gets every row, on the same text")
     parser.add_argument("--num-sequences", type=int, default=16)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--no-engine", action="store_true", help="skip the engine's k=1 / k=2 acceptance rows")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     fp32, bf16 = load_model("smollm2-135m", dtype="float32"), load_model("smollm2-135m", dtype="auto")
-    config, head = load_heads(args.heads, fp32.config, fp32.name, "eagle")
-    assert isinstance(head, EagleHead)
-    recipe = config.recipe
-    train = sharegpt_token_sequences(fp32.tokenizer, recipe.get("tokens", 24000), recipe.get("seq_len", 256),
-                                     recipe.get("seed", 0))[: args.num_sequences]
-    test = _split_sequences(fp32.tokenizer, "test", args.num_sequences, recipe.get("seq_len", 256))
-    rows: dict[str, dict] = {
-        "train (in-sample), fp32": rate(head, fp32.model, [(s, 2) for s in train]),
-        "test (held-out), fp32": rate(head, fp32.model, [(s, 2) for s in test]),
-        "test (held-out), bf16": rate(head, bf16.model, [(s, 2) for s in test]),
-    }
+    test = _split_sequences(fp32.tokenizer, "test", args.num_sequences, 256)
+    workloads = {}
     for workload, prompts in (("sharegpt", sharegpt_prompts(bf16.tokenizer, args.num_prompts)),
                               ("humaneval", humaneval_prompts(args.num_prompts))):
         generated, _ = generate(bf16, prompts, args.max_tokens)
-        sequences = [(p + o, len(p) + 1) for p, o in generated]  # output token 2 on: the first is the prefill's
-        rows[f"{workload} own output, bf16"] = rate(head, bf16.model, sequences)
-        rows[f"{workload} own output, fp32"] = rate(head, fp32.model, sequences)
-        for k in (1, 2):
-            config = {"method": "eagle", "model": args.heads, "num_speculative_tokens": k, "adaptive": False}
-            again, per_pos = generate(bf16, prompts, args.max_tokens, config)
-            assert again == generated, "speculation changed greedy output"
-            rows[f"{workload} engine k={k} (acceptance per position)"] = {"per_pos": per_pos}
-    for name, row in rows.items():
-        print(f"{name:48s} {json.dumps(row)}", flush=True)
+        workloads[workload] = (prompts, generated)
+    results = {}
+    for heads in args.heads.split(","):
+        config, head = load_heads(heads, fp32.config, fp32.name, "eagle")
+        assert isinstance(head, EagleHead)
+        own = config.recipe.get("data") == "self"  # trained on bf16 features: rate it on them
+        rows = {f"train (in-sample), {'bf16' if own else 'fp32'}": rate(
+                    head, (bf16 if own else fp32).model, _in_sample(fp32.tokenizer, config.recipe, args.num_sequences)),
+                "test (held-out), fp32": rate(head, fp32.model, [(s, 2) for s in test]),
+                "test (held-out), bf16": rate(head, bf16.model, [(s, 2) for s in test])}
+        if own:
+            rows["train split, own answers held out, bf16"] = rate(
+                head, bf16.model, _self_sequences(config.recipe, held_out=True, num=args.num_sequences))
+        for workload, (prompts, generated) in workloads.items():
+            sequences = [(p + o, len(p) + 1) for p, o in generated]  # output token 2 on: the first is the prefill's
+            rows[f"{workload} own output, bf16"] = rate(head, bf16.model, sequences)
+            rows[f"{workload} own output, fp32"] = rate(head, fp32.model, sequences)
+            for k in () if args.no_engine else (1, 2):
+                spec = {"method": "eagle", "model": heads, "num_speculative_tokens": k, "adaptive": False}
+                again, per_pos = generate(bf16, prompts, args.max_tokens, spec)
+                assert again == generated, "speculation changed greedy output"
+                rows[f"{workload} engine k={k} (acceptance per position)"] = {"per_pos": per_pos}
+        print(f"{heads}: {json.dumps(config.recipe.get('tokens'))} tokens, data {config.recipe.get('data')}")
+        for name, row in rows.items():
+            print(f"  {name:52s} {json.dumps(row)}", flush=True)
+        results[heads] = {"recipe": config.recipe, "rows": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"heads": args.heads, "recipe": recipe, "rows": rows}, indent=1))
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+def _in_sample(tokenizer, recipe: dict, num: int) -> list[tuple[list[int], int]]:
+    """The head's own training sequences: the self-generated ones (counted from the answer's second
+    token, as the engine drafts) or the ShareGPT conversations as written."""
+    if recipe.get("data") == "self":
+        return _self_sequences(recipe, held_out=False, num=num)
+    return [(s, 2) for s in sharegpt_token_sequences(tokenizer, recipe.get("tokens", 24000),
+                                                     recipe.get("seq_len", 256), recipe.get("seed", 0))[:num]]
+
+
+def _self_sequences(recipe: dict, held_out: bool, num: int) -> list[tuple[list[int], int]]:
+    """From the recipe's data cache: the first `num` training sequences, or the held-out ones."""
+    data, _ = load_sequences(Path(recipe["cache"]))
+    chosen = data[recipe["sequences"] :][:num] if held_out else data[:num]
+    return [(s.token_ids.tolist(), s.answer_start + 1) for s in chosen]
 
 
 def _split_sequences(tokenizer, split: str, num: int, seq_len: int) -> list[list[int]]:

@@ -1,5 +1,6 @@
-"""train-draft end to end on a few hundred ShareGPT-train tokens: the loss falls, and the
-saved heads load back (and refuse a target they were not trained for)."""
+"""train-draft end to end on a few hundred ShareGPT-train tokens, as written and self-generated
+by the target: the loss falls, and the saved heads load back (and refuse a target they were
+not trained for)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import torch
 
 from threefold.errors import ThreefoldError
 from threefold.spec.heads import load_heads
-from threefold.spec.train import sharegpt_token_sequences, train
+from threefold.spec.train import (
+    load_sequences,
+    self_distillation_data,
+    sharegpt_token_sequences,
+    target_sequences,
+    train,
+)
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
@@ -39,3 +46,50 @@ def test_train_draft_loss_falls_and_heads_round_trip(method, smollm2_fp32, tmp_p
 def test_train_draft_refuses_bad_input(smollm2_fp32):
     with pytest.raises(ThreefoldError, match="not 'ngram'"):
         train("ngram", smollm2_fp32, None, token_sequences=[[1, 2, 3]])
+
+
+def test_batched_target_features_equal_one_sequence_at_a_time(smollm2_fp32):
+    sequences = sharegpt_token_sequences(smollm2_fp32.tokenizer, num_tokens=200, seq_len=70)
+    lengths = list(map(len, sequences))
+    assert len(set(lengths)) > 1  # right padding is exercised
+    batched = target_sequences(smollm2_fp32.model, sequences, forward_tokens=10_000)
+    alone = target_sequences(smollm2_fp32.model, sequences, forward_tokens=1)
+    for a, b, ids in zip(batched, alone, sequences, strict=True):
+        assert a.token_ids.tolist() == ids
+        torch.testing.assert_close(a.features, b.features, atol=2e-4, rtol=1e-4)
+        assert (a.labels == b.labels).float().mean() > 0.98
+
+
+@pytest.fixture(scope="module")
+def own_answers(smollm2_fp32, tmp_path_factory):
+    """The target's greedy answers to 4 ShareGPT-train prompts (16 tokens each), through the cache."""
+    cache = tmp_path_factory.mktemp("self") / "data.safetensors"
+    data, info = self_distillation_data(smollm2_fp32, num_prompts=4, max_new_tokens=16, cache=cache)
+    return data, info, cache
+
+
+def test_self_distillation_data_is_the_targets_own_answers(own_answers):
+    data, info, cache = own_answers
+    assert info["prompts"] == 4 and all(0 < len(s.token_ids) - s.answer_start <= 16 for s in data)
+    # The engine's greedy answer is the target's argmax at each answer position (its labels).
+    agree = [float((s.labels[s.answer_start - 1 : -1] == s.token_ids[s.answer_start :]).float().mean()) for s in data]
+    assert min(agree) > 0.9, agree
+    again, again_info = load_sequences(cache)  # the cache round-trips
+    assert again_info == info
+    assert [(s.token_ids.tolist(), s.answer_start) for s in again] == [(s.token_ids.tolist(), s.answer_start)
+                                                                       for s in data]
+    torch.testing.assert_close(again[1].features, data[1].features)
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_train_draft_on_the_targets_own_answers(method, smollm2_fp32, own_answers, tmp_path):
+    data, info, _ = own_answers
+    result = train(method, smollm2_fp32, tmp_path, steps=10, lr=1e-3, num_heads=2, data=data, data_info=info,
+                   batch_size=3, val_fraction=0.25, log_every=0)
+    assert result.losses[-1] < 0.7 * result.losses[0], result.losses  # every step sees all 3 training sequences
+    recipe = result.config.recipe
+    assert recipe["sequences"] == 3 and recipe["held_out_sequences"] == 1 and recipe["data"] == "self"
+    assert recipe["loss_rows"] == sum(len(s.token_ids) - s.answer_start for s in data[:3])  # the answers' rows only
+    assert result.val_accuracy is not None and len(result.val_accuracy) == (2 if method == "medusa" else 1)
+    config, _ = load_heads(tmp_path, smollm2_fp32.config, "smollm2-135m", method)
+    assert config.recipe["val_top1"] == [round(a, 4) for a in result.val_accuracy]

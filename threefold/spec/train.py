@@ -4,11 +4,19 @@
     (also `threefold train-draft ...`)
 
 Data: ShareGPT's *train* split (bench/sharegpt.py: benchmarks draw only from
-the test split), each conversation rendered with the target's chat template
-and cut to `seq_len` tokens. The target runs once over every sequence; its
-final hidden states f_t and its own greedy next tokens y_t = argmax p(.|x_<=t)
-are the training signal, so the heads learn to predict what the target will
-say (self-distillation), not what the ShareGPT author said:
+the test split), in one of two forms (--data):
+
+- `self` (EAGLE's and Medusa-2's recipe): the target, in the engine (greedy, batched),
+  answers the first user turn of --num-prompts conversations; a sequence is the chat
+  prompt + the target's own answer, and the loss covers the answer's rows only (what the
+  heads are asked to draft in the engine). A few sequences are held out for validation.
+- `sharegpt`: the conversations as written (user and author turns), cut to `seq_len`
+  tokens, every row in the loss.
+
+The target runs once over every sequence (batched; the result is cached on disk for
+`self`, so EAGLE and Medusa share one generation); its final hidden states f_t and its
+own greedy next tokens y_t = argmax p(.|x_<=t) are the training signal, so the heads
+learn to predict what the target will say (self-distillation):
 
 - Medusa head i at t: cross-entropy of lm_head(head_i(f_t)) against y_{t+i+1}.
 - EAGLE at t: smooth-L1 of f_hat_{t+1} against f_{t+1}, plus 0.1 x cross-entropy of
@@ -18,8 +26,9 @@ say (self-distillation), not what the ShareGPT author said:
 from __future__ import annotations
 
 import argparse
-import itertools
+import json
 import math
+import random
 import sys
 import time
 from dataclasses import dataclass
@@ -27,12 +36,19 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from threefold.cpu import has_native_bf16
 from threefold.errors import ThreefoldError
 from threefold.spec.heads import HEAD_METHODS, EagleHead, HeadsConfig, MedusaHeads, build_heads, save_heads
 
 EAGLE_CLASSIFICATION_WEIGHT = 0.1
+DATA_MODES = ("self", "sharegpt")
+FORWARD_TOKENS = 4096
+"""Padded tokens per batched target forward (features and labels)."""
+LOGIT_ROWS = 512
+"""Rows per LM-head call when taking the target's argmax (a 49k-wide float row is 200 KB)."""
 
 
 @dataclass
@@ -40,9 +56,16 @@ class Sequence:
     token_ids: Tensor
     """[T] long."""
     features: Tensor
-    """[T, hidden] the target's final hidden states."""
+    """[T, hidden] the target's final hidden states (its dtype: bf16 from a bf16 target)."""
     labels: Tensor
     """[T] long: the target's greedy next token at each position."""
+    answer_start: int = 0
+    """Index of the first token the target wrote itself (0: the whole sequence counts). Losses
+    cover the rows that draft from there on: feature rows t >= answer_start - 1."""
+
+    @property
+    def first_row(self) -> int:
+        return max(self.answer_start - 1, 0)
 
 
 @dataclass
@@ -53,6 +76,8 @@ class TrainResult:
     """One per step."""
     accuracy: list[float]
     """Top-1 agreement with the target on the last steps' rows, per head (EAGLE: 1)."""
+    val_accuracy: list[float] | None = None
+    """The same on the held-out sequences (None without any)."""
 
 
 def causal_attention(layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -63,14 +88,32 @@ def causal_attention(layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return out.transpose(0, 1)  # [T, heads, head_dim]
 
 
+def batched_causal_attention(length: int):
+    """An AttentionFn for B right-padded sequences of `length` rows each, flattened to [B * length]:
+    causal within each sequence (a real row never sees its sequence's padding, which comes after it)."""
+    def attention(layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        batch, heads = q.shape[0] // length, q.shape[1]
+        split = lambda x: x.view(batch, length, x.shape[1], -1).repeat_interleave(  # noqa: E731
+            heads // x.shape[1], 2).transpose(1, 2)  # [B, heads, T, head_dim], GQA's KV heads repeated
+        out = F.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=True)
+        return out.transpose(1, 2).reshape(batch * length, heads, -1)
+    return attention
+
+
+def _conversation_messages(record) -> list[dict]:
+    from threefold.bench.sharegpt import dialogue
+
+    return [m for user, reply in dialogue(record)
+            for m in ({"role": "user", "content": user}, {"role": "assistant", "content": reply})]
+
+
 def sharegpt_token_sequences(tokenizer, num_tokens: int, seq_len: int, seed: int = 0) -> list[list[int]]:
     """Chat-formatted ShareGPT train-split conversations, each cut to seq_len, until num_tokens."""
-    from threefold.bench.sharegpt import dialogue, open_sharegpt
+    from threefold.bench.sharegpt import open_sharegpt
 
     sequences, total = [], 0
     for record in open_sharegpt().iter_records("train", seed):
-        messages = [m for user, reply in dialogue(record)
-                    for m in ({"role": "user", "content": user}, {"role": "assistant", "content": reply})]
+        messages = _conversation_messages(record)
         if not messages:
             continue
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=False) \
@@ -85,50 +128,215 @@ def sharegpt_token_sequences(tokenizer, num_tokens: int, seq_len: int, seed: int
     return sequences
 
 
-@torch.no_grad()  # not inference_mode: its tensors could not be saved for the heads' backward
-def target_sequences(model, token_sequences: list[list[int]]) -> list[Sequence]:
-    """Run the (fp32) target once per sequence: its features and greedy next tokens."""
-    out = []
-    for ids in token_sequences:
-        tokens = torch.tensor(ids)
-        features = model(tokens, torch.arange(len(ids)), causal_attention)  # [T, hidden]
-        labels = model.compute_logits(features).argmax(-1)
-        out.append(Sequence(tokens, features.clone(), labels))
+def sharegpt_chat_prompts(tokenizer, split: str, num: int, seed: int = 0, max_chars: int = 2000) -> list[str]:
+    """First user turns of `split`'s conversations under the chat template, as the benchmarks
+    build them (benchmarks/spec_decode.py: the test split, seed 0, under 2000 characters)."""
+    from threefold.bench.sharegpt import dialogue, open_sharegpt
+
+    prompts = []
+    for record in open_sharegpt().iter_records(split, seed):
+        turns = dialogue(record)
+        if turns and len(turns[0][0]) < max_chars:
+            prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": turns[0][0]}]))
+            if len(prompts) == num:
+                break
+    return prompts
+
+
+def self_generated_sequences(loaded, prompts: list[str], max_new_tokens: int,
+                             chunk: int = 256) -> list[tuple[list[int], int]]:
+    """The target's own greedy answers, from the engine, `chunk` prompts at a time (a progress line
+    each): (prompt ids + answer ids, answer start) per prompt."""
+    from threefold.engine.llm import LLM
+    from threefold.engine.llm_engine import EngineArgs, LLMEngine
+    from threefold.sample.params import SamplingParams
+
+    dtype = "float32" if loaded.config.dtype == torch.float32 else "auto"
+    llm = LLM.from_engine(LLMEngine(loaded, EngineArgs(dtype=dtype, kv_cache_memory=1 << 30, max_model_len=2048,
+                                                       max_num_seqs=128, enable_prefix_caching=False)))
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    out, start, answered = [], time.time(), 0
+    for first in range(0, len(prompts), chunk):
+        for o in llm.generate(prompts[first : first + chunk], params):
+            out.append((list(o.prompt_token_ids) + list(o.outputs[0].token_ids), len(o.prompt_token_ids)))
+            answered += len(o.outputs[0].token_ids)
+        print(f"generated {len(out)}/{len(prompts)} answers, {answered} tokens "
+              f"({answered / (time.time() - start):.0f} tok/s)", flush=True)
     return out
 
 
-def medusa_loss(heads: MedusaHeads, lm_head: Tensor, seq: Sequence) -> tuple[Tensor, list[float]]:
-    """Sum over heads of CE(lm_head(head_i(f_t)), y_{t+i+1}); and each head's top-1 accuracy."""
-    outputs = heads(seq.features)  # [num_heads, T, hidden]
-    loss, accuracy = seq.features.new_zeros(()), []
+@torch.no_grad()  # not inference_mode: its tensors could not be saved for the heads' backward
+def target_sequences(model, token_sequences: list[list[int]], answer_starts: list[int] | None = None,
+                     forward_tokens: int = FORWARD_TOKENS) -> list[Sequence]:
+    """Run the target once over every sequence, several right-padded sequences a forward: its
+    features (in its own dtype) and greedy next tokens."""
+    starts = answer_starts or [0] * len(token_sequences)
+    out: list[Sequence | None] = [None] * len(token_sequences)
+    order = sorted(range(len(token_sequences)), key=lambda i: len(token_sequences[i]))
+    while order:
+        length = len(token_sequences[order[-1]])
+        batch = [order.pop() for _ in range(min(len(order), max(1, forward_tokens // length)))]
+        tokens = torch.zeros(len(batch), length, dtype=torch.long)
+        for row, i in enumerate(batch):
+            tokens[row, : len(token_sequences[i])] = torch.tensor(token_sequences[i])
+        features = model(tokens.view(-1), torch.arange(length).repeat(len(batch)), batched_causal_attention(length))
+        labels = torch.cat([model.compute_logits(chunk, float32=False).argmax(-1)
+                            for chunk in features.split(LOGIT_ROWS)]).view(len(batch), length)
+        features = features.view(len(batch), length, -1)
+        for row, i in enumerate(batch):
+            n = len(token_sequences[i])
+            out[i] = Sequence(tokens[row, :n].clone(), features[row, :n].clone(), labels[row, :n].clone(), starts[i])
+    return [s for s in out if s is not None]
+
+
+def self_distillation_data(loaded, num_prompts: int, max_new_tokens: int, seed: int = 0,
+                           cache: Path | None = None) -> tuple[list[Sequence], dict]:
+    """Prompts from ShareGPT's train split, answered by `loaded` (the target, in the engine), then its
+    features over prompt + answer. With `cache`, read from there if it exists, else written there."""
+    if cache is not None and cache.is_file():
+        return load_sequences(cache)
+    start = time.time()
+    prompts = sharegpt_chat_prompts(loaded.tokenizer, "train", num_prompts, seed)
+    generated = self_generated_sequences(loaded, prompts, max_new_tokens)
+    generate_seconds = time.time() - start
+    data = target_sequences(loaded.model, [ids for ids, _ in generated], [a for _, a in generated])
+    info = {"data": "self", "target": loaded.name, "target_dtype": str(loaded.config.dtype).removeprefix("torch."),
+            "prompts": len(prompts), "max_new_tokens": max_new_tokens, "seed": seed,
+            "generate_seconds": round(generate_seconds, 1),
+            "feature_seconds": round(time.time() - start - generate_seconds, 1)}
+    if cache is not None:
+        save_sequences(cache, data, info)
+    return data, info
+
+
+def save_sequences(path: Path, data: list[Sequence], info: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lengths = torch.tensor([len(s.token_ids) for s in data])
+    tensors = {"token_ids": torch.cat([s.token_ids for s in data]).int(), "lengths": lengths,
+               "answer_starts": torch.tensor([s.answer_start for s in data]),
+               "features": torch.cat([s.features for s in data]).contiguous(),
+               "labels": torch.cat([s.labels for s in data]).int()}
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={"info": json.dumps(info)})
+    tmp.replace(path)
+
+
+def load_sequences(path: Path) -> tuple[list[Sequence], dict]:
+    from safetensors import safe_open
+
+    tensors = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        info = json.loads(f.metadata()["info"])
+    lengths = tensors["lengths"].tolist()
+    split = lambda name: tensors[name].split(lengths)  # noqa: E731
+    data = [Sequence(ids.long(), features, labels.long(), int(start))
+            for ids, features, labels, start in zip(split("token_ids"), split("features"), split("labels"),
+                                                   tensors["answer_starts"].tolist(), strict=True)]
+    return data, info
+
+
+@dataclass
+class Batch:
+    """B sequences right-padded to T rows; the heads run over all B x T rows flattened."""
+
+    tokens: Tensor
+    """[B, T] long."""
+    features: Tensor
+    """[B, T, hidden] float32."""
+    labels: Tensor
+    """[B, T] long."""
+    lengths: Tensor
+    """[B]"""
+    first_rows: Tensor
+    """[B]"""
+
+    @classmethod
+    def of(cls, sequences: list[Sequence]) -> Batch:
+        length = max(len(s.token_ids) for s in sequences)
+        tokens = torch.zeros(len(sequences), length, dtype=torch.long)
+        labels = torch.zeros_like(tokens)
+        features = torch.zeros(len(sequences), length, sequences[0].features.shape[-1])
+        for row, s in enumerate(sequences):
+            n = len(s.token_ids)
+            tokens[row, :n], labels[row, :n], features[row, :n] = s.token_ids, s.labels, s.features
+        return cls(tokens, features, labels, torch.tensor([len(s.token_ids) for s in sequences]),
+                   torch.tensor([s.first_row for s in sequences]))
+
+    def rows(self, offset: int) -> Tensor:
+        """[B, T] bool: feature rows t counted for a label `offset` positions on (t + offset < length)."""
+        t = torch.arange(self.tokens.shape[1])[None]
+        return (t >= self.first_rows[:, None]) & (t + offset < self.lengths[:, None])
+
+
+Hits = list[tuple[int, int]]
+"""Per head: (rows whose top-1 matched the target, rows)."""
+
+
+def medusa_loss(heads: MedusaHeads, lm_head: Tensor, batch: Batch) -> tuple[Tensor, Hits]:
+    """Sum over heads of CE(lm_head(head_i(f_t)), y_{t+i+1}) over the counted rows; each head's hits."""
+    size, length, hidden = batch.features.shape
+    outputs = heads(batch.features.view(-1, hidden)).view(heads.num_heads, size, length, hidden)
+    loss, hits = batch.features.new_zeros(()), []
     for i in range(heads.num_heads):
-        rows = seq.features.shape[0] - i - 1
-        if rows <= 0:
+        rows = batch.rows(i + 1)
+        if not rows.any():
             break
-        logits = F.linear(outputs[i, :rows], lm_head)
-        labels = seq.labels[i + 1 : i + 1 + rows]
+        shifted = torch.zeros_like(batch.labels)
+        shifted[:, : length - i - 1] = batch.labels[:, i + 1 :]
+        logits = F.linear(outputs[i][rows], lm_head).float()
+        labels = shifted[rows]
         loss = loss + F.cross_entropy(logits, labels)
-        accuracy.append(float((logits.argmax(-1) == labels).float().mean()))
-    return loss, accuracy
+        hits.append((int((logits.argmax(-1) == labels).sum()), len(labels)))
+    return loss, hits
 
 
-def eagle_loss(head: EagleHead, embed: Tensor, lm_head: Tensor, seq: Sequence) -> tuple[Tensor, list[float]]:
+def eagle_loss(head: EagleHead, embed: Tensor, lm_head: Tensor, batch: Batch) -> tuple[Tensor, Hits]:
     """Pairs (f_t, x_{t+1}) at x_{t+1}'s position regress f_{t+1}; 0.1 x CE against y_{t+1}."""
-    rows = seq.features.shape[0] - 1
-    positions = torch.arange(1, rows + 1)
-    predicted = head(seq.features[:rows], F.embedding(seq.token_ids[1:], embed), positions, causal_attention)
-    regression = F.smooth_l1_loss(predicted, seq.features[1:])
-    logits = F.linear(predicted, lm_head)
-    classification = F.cross_entropy(logits, seq.labels[1:])
-    accuracy = float((logits.argmax(-1) == seq.labels[1:]).float().mean())
-    return regression + EAGLE_CLASSIFICATION_WEIGHT * classification, [accuracy]
+    size, length, hidden = batch.features.shape
+    pairs = length - 1
+    predicted = head(batch.features[:, :pairs].reshape(-1, hidden),
+                     F.embedding(batch.tokens[:, 1:], embed).reshape(-1, hidden),
+                     torch.arange(1, length).repeat(size), batched_causal_attention(pairs)).view(size, pairs, hidden)
+    rows = batch.rows(1)[:, :pairs]
+    predicted = predicted[rows].float()
+    regression = F.smooth_l1_loss(predicted, batch.features[:, 1:][rows])
+    logits = F.linear(predicted, lm_head).float()
+    labels = batch.labels[:, 1:][rows]
+    classification = F.cross_entropy(logits, labels)
+    return regression + EAGLE_CLASSIFICATION_WEIGHT * classification, [
+        (int((logits.argmax(-1) == labels).sum()), len(labels))]
+
+
+def _rates(hits: list[Hits]) -> list[float]:
+    heads = max(len(h) for h in hits)
+    return [sum(h[i][0] for h in hits if i < len(h)) / max(1, sum(h[i][1] for h in hits if i < len(h)))
+            for i in range(heads)]
+
+
+def _batches(data: list[Sequence], batch_size: int, generator: random.Random):
+    """Endless epochs; each a shuffle of `data`, cut into batches of similar lengths (less padding)."""
+    while True:
+        order = list(range(len(data)))
+        generator.shuffle(order)
+        batches = []
+        for pool in range(0, len(order), 32 * batch_size):
+            chunk = sorted(order[pool : pool + 32 * batch_size], key=lambda i: len(data[i].token_ids))
+            batches += [chunk[j : j + batch_size] for j in range(0, len(chunk), batch_size)]
+        generator.shuffle(batches)
+        for batch in batches:
+            yield [data[i] for i in batch]
 
 
 def train(method: str, loaded, out_dir: Path | None, num_tokens: int = 200_000, seq_len: int = 512,
           steps: int = 2000, lr: float = 1e-3, num_heads: int = 4, seed: int = 0,
           token_sequences: list[list[int]] | None = None, log_every: int = 50,
-          save_dtype: str = "float32", command: str | None = None) -> TrainResult:
-    """Train heads for `loaded` (a LoadedModel in float32); save them to out_dir if given."""
+          save_dtype: str = "float32", command: str | None = None, data: list[Sequence] | None = None,
+          data_info: dict | None = None, batch_size: int = 1, val_fraction: float = 0.0,
+          autocast: bool | None = None) -> TrainResult:
+    """Train heads for `loaded` (a LoadedModel in float32); save them to out_dir if given. The data:
+    `data` (e.g. self_distillation_data's), else `token_sequences`, else ShareGPT conversations.
+    autocast: matmuls in bf16 (float32 weights, losses and optimizer), by default where the CPU
+    has native bf16 (most of a step is the LM head over every counted row)."""
     if method not in HEAD_METHODS:
         raise ThreefoldError(f"train-draft trains {' or '.join(HEAD_METHODS)} heads, not {method!r}.", param="method")
     if loaded.config.dtype != torch.float32:
@@ -136,41 +344,63 @@ def train(method: str, loaded, out_dir: Path | None, num_tokens: int = 200_000, 
     start = time.time()
     torch.manual_seed(seed)
     model = loaded.model
-    token_sequences = token_sequences or sharegpt_token_sequences(loaded.tokenizer, num_tokens, seq_len, seed)
-    data = target_sequences(model, token_sequences)
+    if data is None:
+        token_sequences = token_sequences or sharegpt_token_sequences(loaded.tokenizer, num_tokens, seq_len, seed)
+        data = target_sequences(model, token_sequences)
+        data_info = {"data": "ShareGPT V3 train split, chat template", "seq_len": seq_len}
+    held_out = min(len(data) - 1, round(val_fraction * len(data)))
+    train_data, val_data = data[: len(data) - held_out], data[len(data) - held_out :]
     config = HeadsConfig(method, loaded.config.hidden_size, loaded.config.vocab_size, loaded.name,
                          num_heads if method == "medusa" else 1, save_dtype)
     heads = build_heads(config, loaded.config).train().requires_grad_(True)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _warmup_cosine(s, steps))
     lm_head, embed = model.lm_head.weight, model.embed_tokens.weight
-    losses, accuracies = [], []
-    for step, seq in zip(range(steps), itertools.cycle(data)):
-        if isinstance(heads, MedusaHeads):
-            loss, accuracy = medusa_loss(heads, lm_head, seq)
-        else:
+
+    autocast = has_native_bf16() if autocast is None else autocast
+    if autocast:  # cast once, not in every step's forward and backward (the LM head is 28M weights for SmolLM2)
+        lm_head = lm_head.to(torch.bfloat16)
+
+    def loss_of(batch: Batch) -> tuple[Tensor, Hits]:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if isinstance(heads, MedusaHeads):
+                return medusa_loss(heads, lm_head, batch)
             assert isinstance(heads, EagleHead)
-            loss, accuracy = eagle_loss(heads, embed, lm_head, seq)
+            return eagle_loss(heads, embed, lm_head, batch)
+
+    losses, hits = [], []
+    batches = _batches(train_data, batch_size, random.Random(seed))
+    for step in range(steps):
+        loss, step_hits = loss_of(Batch.of(next(batches)))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         losses.append(float(loss.detach()))
-        accuracies.append(accuracy)
+        hits.append(step_hits)
         if log_every and step % log_every == 0:
-            print(f"step {step}: loss {losses[-1]:.4f} top-1 {[round(a, 3) for a in accuracy]}", flush=True)
-    tail = accuracies[-max(1, len(data)):]
-    mean_accuracy = [sum(a[i] for a in tail if i < len(a)) / len(tail) for i in range(len(tail[0]))]
-    config.recipe = {"data": "ShareGPT V3 train split, chat template", "sequences": len(data),
-                     "tokens": sum(len(s) for s in token_sequences), "seq_len": seq_len, "steps": steps, "lr": lr,
-                     "seed": seed, "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
-                     "train_top1": [round(a, 4) for a in mean_accuracy],
-                     "wall_seconds": round(time.time() - start, 1), "command": command}
+            print(f"step {step}: loss {losses[-1]:.4f} top-1 {[round(a, 3) for a in _rates([step_hits])]} "
+                  f"({time.time() - start:.0f} s)", flush=True)
     heads.eval().requires_grad_(False)
+    mean_accuracy = _rates(hits[-max(1, math.ceil(len(train_data) / batch_size)):])  # about the last epoch
+    val_accuracy = None
+    if val_data:
+        with torch.no_grad():
+            val_accuracy = _rates([loss_of(Batch.of(val_data[i : i + batch_size]))[1]
+                                   for i in range(0, len(val_data), batch_size)])
+    rows = sum(max(0, len(s.token_ids) - s.first_row - 1) for s in train_data)
+    config.recipe = {**(data_info or {}), "sequences": len(train_data), "held_out_sequences": len(val_data),
+                     "tokens": sum(len(s.token_ids) for s in train_data), "loss_rows": rows,
+                     "batch_size": batch_size, "autocast_bf16": autocast,
+                     "steps": steps, "epochs": round(steps * batch_size / len(train_data), 2),
+                     "lr": lr, "seed": seed, "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
+                     "train_top1": [round(a, 4) for a in mean_accuracy],
+                     "val_top1": [round(a, 4) for a in val_accuracy] if val_accuracy else None,
+                     "wall_seconds": round(time.time() - start, 1), "command": command}
     if out_dir is not None:
         save_heads(Path(out_dir), config, heads)
-    return TrainResult(config, heads, losses, mean_accuracy)
+    return TrainResult(config, heads, losses, mean_accuracy, val_accuracy)
 
 
 def _warmup_cosine(step: int, steps: int) -> float:
@@ -184,8 +414,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", required=True, choices=HEAD_METHODS)
     parser.add_argument("--model", default="smollm2-135m", help="the target: registry name, GGUF file or HF dir")
     parser.add_argument("--out", required=True, help="directory for model.safetensors + config.json")
-    parser.add_argument("--num-tokens", type=int, default=200_000, help="ShareGPT train tokens to distil on")
-    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--data", default="sharegpt", choices=DATA_MODES,
+                        help="self: the target's own answers to ShareGPT-train prompts (generated by the engine); "
+                             "sharegpt: the conversations as written")
+    parser.add_argument("--num-prompts", type=int, default=1200, help="self: prompts the target answers")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="self: longest answer")
+    parser.add_argument("--data-cache", default=None,
+                        help="self: the generated data's file (default $THREEFOLD_HOME/heads/data/<target>-self-"
+                             "<prompts>x<max new tokens>-seed<seed>.safetensors; reused if present)")
+    parser.add_argument("--val-fraction", type=float, default=0.03, help="self: sequences held out for validation")
+    parser.add_argument("--batch-size", type=int, default=1, help="sequences per step")
+    parser.add_argument("--num-tokens", type=int, default=200_000, help="sharegpt: train tokens to distil on")
+    parser.add_argument("--seq-len", type=int, default=512, help="sharegpt: cut conversations to this")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--num-heads", type=int, default=4, help="medusa: heads (drafts per step)")
@@ -198,8 +438,20 @@ def run(args: argparse.Namespace) -> TrainResult:
     from threefold.model.loader import load_model
 
     loaded = load_model(args.model, dtype="float32")
+    data, info, val_fraction = None, None, 0.0
+    if args.data == "self":
+        from threefold.env import Env
+
+        cache = Path(args.data_cache).expanduser() if args.data_cache else Env.read().home / "heads" / "data" / (
+            f"{loaded.name}-self-{args.num_prompts}x{args.max_new_tokens}-seed{args.seed}.safetensors")
+        # The engine's dtype (bf16 where the CPU has it): the features and greedy tokens the heads will see.
+        data, info = self_distillation_data(load_model(args.model, dtype="auto"), args.num_prompts,
+                                            args.max_new_tokens, args.seed, cache)
+        info["cache"] = str(cache)
+        val_fraction = args.val_fraction
     result = train(args.method, loaded, Path(args.out), args.num_tokens, args.seq_len, args.steps, args.lr,
-                   args.num_heads, args.seed, save_dtype=args.save_dtype, command=" ".join(sys.argv))
+                   args.num_heads, args.seed, save_dtype=args.save_dtype, command=" ".join(sys.argv), data=data,
+                   data_info=info, batch_size=args.batch_size, val_fraction=val_fraction)
     print(f"saved {args.method} heads to {args.out}: {result.config.recipe}")
     return result
 
