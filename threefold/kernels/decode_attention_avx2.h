@@ -109,15 +109,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
         score_block<D>(rows, count, qf.data(), a.group, scores.data() + t0, n);
       }
       std::vector<float> inv_sum(a.group);  // softmax per head in fp32; 1 / sum folded into the output
-      for (int64_t g = 0; g < a.group; ++g) {
-        float* s = scores.data() + g * n;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - mx);  // vectorized (libmvec)
-        for (int64_t t = 0; t < n; ++t) sum += s[t];
-        inv_sum[g] = 1.f / sum;
-      }
+      threefold::softmax_rows(scores.data(), a.group, n, inv_sum.data());
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < n; t0 += kKeys) {
         const int count = static_cast<int>(std::min<int64_t>(kKeys, n - t0));

@@ -4,8 +4,11 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -77,6 +80,20 @@ struct TreeMask {
     return (static_cast<uint64_t>(bits[b * words + (j >> 6)]) >> (j & 63)) & 1u;
   }
 };
+
+// Each of `rows` rows of n scores (row r at scores + r n) -> exp(s - the row's max), in place, and
+// inv_sum[r] = 1 / the row's sum: an fp32 softmax whose normalization the caller folds into its output.
+inline void softmax_rows(float* scores, int64_t rows, int64_t n, float* inv_sum) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * n;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - mx);  // vectorized (libmvec)
+    for (int64_t t = 0; t < n; ++t) sum += s[t];
+    inv_sum[r] = 1.f / sum;
+  }
+}
 
 // The score a hidden key gets before the softmax: exp() of it underflows to 0 (finite, as
 // -ffast-math assumes; the row itself is always visible, so the maximum is a real score).

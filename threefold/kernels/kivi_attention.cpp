@@ -29,6 +29,7 @@
 #include "decode_attention.h"
 #include "decode_attention_avx2.h"
 #include "codes_avx2.h"
+#include "kivi_blocks.h"
 
 namespace {
 
@@ -273,16 +274,8 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
       }
       // Pass 1b: exact keys from the window.
       score_exact(nq, len, window_k);
-      std::vector<float> inv_sum(a.group);
-      for (int64_t g = 0; g < a.group; ++g) {
-        float* s = scores.data() + g * len;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, s[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) s[t] = std::exp(s[t] - mx);
-        for (int64_t t = 0; t < len; ++t) sum += s[t];
-        inv_sum[g] = 1.f / sum;
-      }
+      std::vector<float> inv_sum(a.group);  // softmax per head in fp32; 1 / sum folded into the output
+      threefold::softmax_rows(scores.data(), a.group, len, inv_sum.data());
       std::fill(acc.begin(), acc.end(), 0.f);
       add_exact(0, ns, sink_v);  // the sinks
       // Pass 2a: quantized values, each row decoded once for the Gq heads, kKeys rows at a time.
@@ -387,23 +380,8 @@ KiviArgs checked_args(const at::Tensor& out, const at::Tensor& q, const at::Tens
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "q and out must share a dtype, float32 or bfloat16, and ring have it too (or float16 beside float32)");
   const int64_t rows = q.size(0), d = q.size(2);
-  TORCH_CHECK(k_codes.dim() == 4 && k_codes.sizes() == v_codes.sizes() && k_codes.is_contiguous() &&
-                  v_codes.is_contiguous() && k_codes.scalar_type() == at::kByte,
-              "codes must be contiguous uint8 [N, bs, kvh, width]");
+  check_kivi_blocks(k_codes, v_codes, k_scales, k_zeros, v_scales, v_zeros, d);
   const int64_t width = k_codes.size(3), kvh = k_codes.size(2), bs = k_codes.size(1);
-  TORCH_CHECK(width * 8 == 2 * d || width * 8 == 4 * d, "codes must hold 2 or 4 bits per channel");
-  TORCH_CHECK(k_scales.dim() == 4 && k_scales.sizes() == k_zeros.sizes() && k_scales.is_contiguous() &&
-                  k_zeros.is_contiguous() && k_scales.scalar_type() == at::kHalf &&
-                  k_zeros.scalar_type() == at::kHalf && k_scales.size(0) == k_codes.size(0) &&
-                  k_scales.size(1) > 0 && bs % k_scales.size(1) == 0 && k_scales.size(2) == kvh &&
-                  k_scales.size(3) == d,
-              "key scales/zeros must be contiguous fp16 [N, bs / G, kvh, d]");
-  TORCH_CHECK(v_scales.dim() == 4 && v_scales.sizes() == v_zeros.sizes() && v_scales.is_contiguous() &&
-                  v_zeros.is_contiguous() && v_scales.scalar_type() == at::kHalf &&
-                  v_zeros.scalar_type() == at::kHalf && v_scales.size(0) == k_codes.size(0) &&
-                  v_scales.size(1) == bs && v_scales.size(2) == kvh && v_scales.size(3) > 0 &&
-                  d % v_scales.size(3) == 0,
-              "value scales/zeros must be contiguous fp16 [N, bs, kvh, d / G]");
   TORCH_CHECK(ring.dim() == 5 && ring.size(0) == 2 && ring.size(3) == kvh && ring.size(4) == d && ring.is_contiguous(),
               "ring must be contiguous [2, slots, size, kvh, d]");
   TORCH_CHECK(q.size(1) % kvh == 0, "num_heads must be a multiple of num_kv_heads");

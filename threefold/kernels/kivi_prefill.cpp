@@ -30,6 +30,7 @@
 // K/V quantized (min/max per key group channel and per value token channel group), packed and stored,
 // with the codes, scales and zeros the torch quantizer gives, bit for bit.
 
+#include "kivi_blocks.h"
 #include "decode_attention.h"
 
 #pragma GCC diagnostic ignored "-Wpsabi"  // 64-byte vectors in inline helpers of non-AVX-512 builds
@@ -392,23 +393,8 @@ void kivi_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at
               "q and out must share a dtype, float32 or bfloat16, and the exact K/V have it too (or float16 beside "
               "float32)");
   const int64_t rows = q.size(0), d = q.size(2);
-  TORCH_CHECK(k_codes.dim() == 4 && k_codes.sizes() == v_codes.sizes() && k_codes.is_contiguous() &&
-                  v_codes.is_contiguous() && k_codes.scalar_type() == at::kByte,
-              "codes must be contiguous uint8 [N, bs, kvh, width]");
+  check_kivi_blocks(k_codes, v_codes, k_scales, k_zeros, v_scales, v_zeros, d);
   const int64_t width = k_codes.size(3), kvh = k_codes.size(2), bs = k_codes.size(1);
-  TORCH_CHECK(width * 8 == 2 * d || width * 8 == 4 * d, "codes must hold 2 or 4 bits per channel");
-  TORCH_CHECK(k_scales.dim() == 4 && k_scales.sizes() == k_zeros.sizes() && k_scales.is_contiguous() &&
-                  k_zeros.is_contiguous() && k_scales.scalar_type() == at::kHalf &&
-                  k_zeros.scalar_type() == at::kHalf && k_scales.size(0) == k_codes.size(0) &&
-                  k_scales.size(1) > 0 && bs % k_scales.size(1) == 0 && k_scales.size(2) == kvh &&
-                  k_scales.size(3) == d,
-              "key scales/zeros must be contiguous fp16 [N, bs / G, kvh, d]");
-  TORCH_CHECK(v_scales.dim() == 4 && v_scales.sizes() == v_zeros.sizes() && v_scales.is_contiguous() &&
-                  v_zeros.is_contiguous() && v_scales.scalar_type() == at::kHalf &&
-                  v_zeros.scalar_type() == at::kHalf && v_scales.size(0) == k_codes.size(0) &&
-                  v_scales.size(1) == bs && v_scales.size(2) == kvh && v_scales.size(3) > 0 &&
-                  d % v_scales.size(3) == 0,
-              "value scales/zeros must be contiguous fp16 [N, bs, kvh, d / G]");
   TORCH_CHECK(q.size(1) % kvh == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(exact_k.dim() == 3 && exact_k.sizes() == exact_v.sizes() && exact_k.size(1) == kvh &&
                   exact_k.size(2) == d && exact_k.is_contiguous() && exact_v.is_contiguous(),
@@ -582,23 +568,10 @@ void kivi_encode(at::Tensor k_codes, at::Tensor v_codes, at::Tensor k_scales, at
                   k.scalar_type() == v.scalar_type(),
               "k and v must be contiguous [n, bs, kvh, d] of one dtype");
   const int64_t n = k.size(0), bs = k.size(1), kvh = k.size(2), d = k.size(3);
-  TORCH_CHECK(k_codes.dim() == 4 && k_codes.sizes() == v_codes.sizes() && k_codes.is_contiguous() &&
-                  v_codes.is_contiguous() && k_codes.scalar_type() == at::kByte && k_codes.size(1) == bs &&
-                  k_codes.size(2) == kvh && (k_codes.size(3) * 8 == 2 * d || k_codes.size(3) * 8 == 4 * d),
-              "codes must be contiguous uint8 [N, bs, kvh, d * bits / 8], bits 2 or 4, with k's bs and kvh");
-  const int bits = static_cast<int>(k_codes.size(3) * 8 / d);
-  TORCH_CHECK(k_scales.dim() == 4 && k_scales.sizes() == k_zeros.sizes() && k_scales.is_contiguous() &&
-                  k_zeros.is_contiguous() && k_scales.scalar_type() == at::kHalf &&
-                  k_zeros.scalar_type() == at::kHalf && k_scales.size(0) == k_codes.size(0) &&
-                  k_scales.size(1) > 0 && bs % k_scales.size(1) == 0 && k_scales.size(2) == kvh &&
-                  k_scales.size(3) == d,
-              "key scales/zeros must be contiguous fp16 [N, bs / G, kvh, d]");
+  const int bits = static_cast<int>(check_kivi_blocks(k_codes, v_codes, k_scales, k_zeros, v_scales, v_zeros, d));
   const int64_t group = bs / k_scales.size(1);
-  TORCH_CHECK(v_scales.dim() == 4 && v_scales.sizes() == v_zeros.sizes() && v_scales.is_contiguous() &&
-                  v_zeros.is_contiguous() && v_scales.scalar_type() == at::kHalf &&
-                  v_zeros.scalar_type() == at::kHalf && v_scales.size(0) == k_codes.size(0) &&
-                  v_scales.size(1) == bs && v_scales.size(2) == kvh && v_scales.size(3) * group == d,
-              "value scales/zeros must be contiguous fp16 [N, bs, kvh, d / G] (the keys' G)");
+  TORCH_CHECK(k_codes.size(1) == bs && k_codes.size(2) == kvh && v_scales.size(3) * group == d,
+              "codes must hold k's bs and kvh, and the value scales the keys' G");
   TORCH_CHECK(fine == bits || (fine == 4 && bits == 2), "fine must be the codes' bits, or 4 beside 2-bit codes");
   TORCH_CHECK(fine == bits || (low.scalar_type() == at::kByte && low.is_contiguous() && low.dim() == 5 &&
                                low.size(0) == 2 && low.size(1) == n && low.size(2) == bs && low.size(3) == kvh &&

@@ -91,6 +91,25 @@ inline void axpy(float a, const float* __restrict x, float* __restrict acc, int6
   for (int64_t i = 0; i < n; ++i) acc[i] += a * x[i];
 }
 
+// One call's queries, outputs, block tables and lengths as raw pointers.
+template <typename T>
+struct Io {
+  const T* q;
+  T* out;
+  int64_t q_seq, q_head, o_seq, o_head;
+  const int64_t* tables;
+  const int64_t* lens;
+  float fscale;
+
+  Io(const at::Tensor& out_t, const at::Tensor& q_t, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+     double scale)
+      : q(q_t.data_ptr<T>()), out(out_t.data_ptr<T>()), q_seq(q_t.stride(0)), q_head(q_t.stride(1)),
+        o_seq(out_t.stride(0)), o_head(out_t.stride(1)), tables(block_tables.data_ptr<int64_t>()),
+        lens(seq_lens.data_ptr<int64_t>()), fscale(static_cast<float>(scale)) {}
+  const T* query(int64_t b, int64_t h) const { return q + b * q_seq + h * q_head; }
+  T* output(int64_t b, int64_t h) const { return out + b * o_seq + h * o_head; }
+};
+
 struct Shape {
   int64_t num_seqs, num_heads, head_dim, block_size, num_kv_heads, group, table_width;
 };
@@ -108,12 +127,7 @@ void run_int4_codes(const at::Tensor& out, const at::Tensor& q, const Side& ks, 
                     const Shape& a) {
   constexpr bool kExact = std::is_same_v<T, float>;
   constexpr int K16 = D / 16;
-  const T* q_ptr = q.data_ptr<T>();
-  T* out_ptr = out.data_ptr<T>();
-  const int64_t q_seq = q.stride(0), q_head = q.stride(1), o_seq = out.stride(0), o_head = out.stride(1);
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const float fscale = static_cast<float>(scale);
+  const Io<T> io(out, q, block_tables, seq_lens, scale);
   constexpr int groups = K16 / PER, vg = 16 * PER;
   const int64_t gd = a.group * D;
 
@@ -124,18 +138,18 @@ void run_int4_codes(const at::Tensor& out, const at::Tensor& q, const Side& ks, 
     std::vector<int64_t> rows;
     __m256i vcodes[fast::kRows][K16];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / a.num_kv_heads, kvh = item % a.num_kv_heads, len = lens[b];
+      const int64_t b = item / a.num_kv_heads, kvh = item % a.num_kv_heads, len = io.lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - first;
-      const int64_t* table = tables + b * a.table_width;
+      const int64_t* table = io.tables + b * a.table_width;
       rows.resize(n);
       for (int64_t t = 0, bi = first / a.block_size, off = first % a.block_size; t < n; ++t) {  // no division a row
         rows[t] = (table[bi] * a.block_size + off) * a.num_kv_heads + kvh;
         if (++off == a.block_size) ++bi, off = 0;
       }
       for (int64_t g = 0; g < a.group; ++g) {
-        const T* src = q_ptr + b * q_seq + (kvh * a.group + g) * q_head;
+        const T* src = io.query(b, kvh * a.group + g);
         float* qg = qf.data() + g * D;
-        for (int64_t i = 0; i < D; ++i) qg[i] = to_float(src[i]) * fscale;
+        for (int64_t i = 0; i < D; ++i) qg[i] = to_float(src[i]) * io.fscale;
         qa[g] = fast::to_int16<D>(qg, q16.data() + g * D, kExact ? q16.data() + gd + g * D : nullptr);
         for (int64_t c = 0; c < groups; ++c) {
           float sum = 0.f;
@@ -176,16 +190,8 @@ void run_int4_codes(const at::Tensor& out, const at::Tensor& q, const Side& ks, 
           std::copy(s, s + count, scores.data() + g * n + t0);
         }
       }
-      std::vector<float> inv_sum(a.group);
-      for (int64_t g = 0; g < a.group; ++g) {
-        float* s = scores.data() + g * n;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - mx);
-        for (int64_t t = 0; t < n; ++t) sum += s[t];
-        inv_sum[g] = 1.f / sum;
-      }
+      std::vector<float> inv_sum(a.group);  // softmax per head in fp32; 1 / sum folded into the output
+      threefold::softmax_rows(scores.data(), a.group, n, inv_sum.data());
       std::fill(vacc.begin(), vacc.end(), 0.f);
       std::fill(zsum.begin(), zsum.end(), 0.f);
       for (int64_t t0 = 0; t0 < n; t0 += fast::kRows) {  // values, kRows at a time
@@ -205,7 +211,7 @@ void run_int4_codes(const at::Tensor& out, const at::Tensor& q, const Side& ks, 
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t g = 0; g < a.group; ++g) {
         fast::unpermute<D>(vacc.data() + g * D, acc.data() + g * D);
-        T* dst = out_ptr + b * o_seq + (kvh * a.group + g) * o_head;
+        T* dst = io.output(b, kvh * a.group + g);
         for (int64_t i = 0; i < D; ++i)
           dst[i] = static_cast<T>((acc[g * D + i] + zsum[g * groups + i / vg]) * inv_sum[g]);
       }
@@ -230,27 +236,22 @@ void run(const at::Tensor& out, const at::Tensor& q, const Side& ks, const Side&
     }
   }
 #endif
-  const T* q_ptr = q.data_ptr<T>();
-  T* out_ptr = out.data_ptr<T>();
-  const int64_t q_seq = q.stride(0), q_head = q.stride(1), o_seq = out.stride(0), o_head = out.stride(1);
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const float fscale = static_cast<float>(scale);
+  const Io<T> io(out, q, block_tables, seq_lens, scale);
   const int64_t num_items = a.num_seqs * a.num_kv_heads;
 
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(a.group * a.head_dim), acc(a.group * a.head_dim), row(a.head_dim), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / a.num_kv_heads, kvh = item % a.num_kv_heads;
-      const int64_t len = lens[b];
+      const int64_t len = io.lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
-      const int64_t* table = tables + b * a.table_width;
+      const int64_t* table = io.tables + b * a.table_width;
       const int64_t tree_start = mask.start(b, len);  // keys from here on: the tree mask decides
       auto hidden = [&](int64_t t) { return t + first >= tree_start && !mask.visible(b, tree_start, t + first); };
       for (int64_t g = 0; g < a.group; ++g) {
-        const T* src = q_ptr + b * q_seq + (kvh * a.group + g) * q_head;
-        for (int64_t i = 0; i < a.head_dim; ++i) qf[g * a.head_dim + i] = to_float(src[i]) * fscale;
+        const T* src = io.query(b, kvh * a.group + g);
+        for (int64_t i = 0; i < a.head_dim; ++i) qf[g * a.head_dim + i] = to_float(src[i]) * io.fscale;
       }
       // body(t, row index) for keys t = 0..n-1 (positions first..len-1), one table walk.
       auto for_each_row = [&](auto&& body) {
@@ -272,16 +273,8 @@ void run(const at::Tensor& out, const at::Tensor& q, const Side& ks, const Side&
         ks.row<K, D>(index, lut, a.head_dim, row.data());
         for (int64_t g = 0; g < a.group; ++g) scores[g * n + t] = dot<D>(qf.data() + g * a.head_dim, row.data(), a.head_dim);
       });
-      std::vector<float> inv_sum(a.group);
-      for (int64_t g = 0; g < a.group; ++g) {
-        float* s = scores.data() + g * n;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - mx);
-        for (int64_t t = 0; t < n; ++t) sum += s[t];
-        inv_sum[g] = 1.f / sum;
-      }
+      std::vector<float> inv_sum(a.group);  // softmax per head in fp32; 1 / sum folded into the output
+      threefold::softmax_rows(scores.data(), a.group, n, inv_sum.data());
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_row([&](int64_t t, int64_t index) {
         if (hidden(t)) return;
@@ -289,7 +282,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const Side& ks, const Side&
         for (int64_t g = 0; g < a.group; ++g) axpy<D>(scores[g * n + t], row.data(), acc.data() + g * a.head_dim, a.head_dim);
       });
       for (int64_t g = 0; g < a.group; ++g) {
-        T* dst = out_ptr + b * o_seq + (kvh * a.group + g) * o_head;
+        T* dst = io.output(b, kvh * a.group + g);
         for (int64_t i = 0; i < a.head_dim; ++i) dst[i] = static_cast<T>(acc[g * a.head_dim + i] * inv_sum[g]);
       }
     }
