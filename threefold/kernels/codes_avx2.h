@@ -109,7 +109,7 @@ inline void halves(const at::Half* src, float* dst, int64_t n) {
 // rows' codes, interleaved 16 bits by 16 bits, meet their two weights in one vpdpwssd / vpmaddwd.
 // The sums land in `vacc` in the interleave's channel order (per 16 channels: 0..3 and 8..11, then
 // 4..7 and 12..15); `unpermute` puts them back. Zero points: zsum_g[c] += sum_j p_gj z_j.
-//   codes [kRows][D / 16] (row `count` zero when count is odd); scale, zero [groups][kRows];
+//   codes [kRows][D / 16] (rows from `count` on are not read); scale, zero [groups][kRows];
 //   p: head g's probabilities at p + g * p_stride.
 template <int D, bool EXACT, int PER>  // PER: 16-channel vectors a channel group (vg = 16 PER)
 inline void values_block_per(const __m256i (*codes)[D / 16], int count, const float* p, int64_t p_stride,
@@ -119,8 +119,9 @@ inline void values_block_per(const __m256i (*codes)[D / 16], int count, const fl
   const int pairs = (count + 1) / 2;
   for (int jp = 0; jp < pairs; ++jp)
     for (int k = 0; k < K; ++k) {
-      lo[jp][k] = _mm256_unpacklo_epi16(codes[2 * jp][k], codes[2 * jp + 1][k]);
-      hi[jp][k] = _mm256_unpackhi_epi16(codes[2 * jp][k], codes[2 * jp + 1][k]);
+      const __m256i odd = 2 * jp + 1 < count ? codes[2 * jp + 1][k] : _mm256_setzero_si256();  // past count: 0
+      lo[jp][k] = _mm256_unpacklo_epi16(codes[2 * jp][k], odd);
+      hi[jp][k] = _mm256_unpackhi_epi16(codes[2 * jp][k], odd);
     }
   for (int64_t g = 0; g < group; ++g) {
     const float* pg = p + g * p_stride;
@@ -173,13 +174,16 @@ inline void values_block(const __m256i (*codes)[D / 16], int count, const float*
   }
 }
 
+// acc += one head's values_block sums (vacc, back in channel order) and its zero-point sums zsum [D / vg].
 template <int D>
-inline void unpermute(const float* vacc, float* acc) {
+inline void unpermute(const float* vacc, const float* zsum, int64_t vg, float* acc) {
   for (int k = 0; k < D / 16; ++k) {
     const __m256 p0 = _mm256_loadu_ps(vacc + 16 * k), p1 = _mm256_loadu_ps(vacc + 16 * k + 8);
-    _mm256_storeu_ps(acc + 16 * k, _mm256_add_ps(_mm256_loadu_ps(acc + 16 * k), _mm256_permute2f128_ps(p0, p1, 0x20)));
-    _mm256_storeu_ps(acc + 16 * k + 8,
-                     _mm256_add_ps(_mm256_loadu_ps(acc + 16 * k + 8), _mm256_permute2f128_ps(p0, p1, 0x31)));
+    const __m256 z = _mm256_set1_ps(zsum[16 * k / vg]);  // vg: a multiple of 16
+    _mm256_storeu_ps(acc + 16 * k, _mm256_add_ps(_mm256_loadu_ps(acc + 16 * k),
+                                                 _mm256_add_ps(_mm256_permute2f128_ps(p0, p1, 0x20), z)));
+    _mm256_storeu_ps(acc + 16 * k + 8, _mm256_add_ps(_mm256_loadu_ps(acc + 16 * k + 8),
+                                                     _mm256_add_ps(_mm256_permute2f128_ps(p0, p1, 0x31), z)));
   }
 }
 }  // namespace fast

@@ -35,15 +35,9 @@ namespace {
 
 using Half = at::Half;
 
-struct KiviArgs {
+struct KiviArgs : KiviBlocks {
   int64_t rows, num_heads, head_dim, block_size, num_kv_heads, group, table_width;
-  int64_t key_group, value_groups, ring_slots, ring_size, width_bits;
-  const uint8_t* k_codes;
-  const uint8_t* v_codes;
-  const Half* k_scales;
-  const Half* k_zeros;
-  const Half* v_scales;
-  const Half* v_zeros;
+  int64_t key_group, value_groups, ring_slots, ring_size;
   const int64_t* tables;
   const int64_t* quant_lens;
   const int64_t* lens;
@@ -61,17 +55,6 @@ struct KiviArgs {
   const int64_t* sink_lens = nullptr;    // ns per row (<= nq)
   const int64_t* sink_rows = nullptr;    // sinks slot per row
 };
-
-// Codes of one packed row -> fp32 in channel order (contiguous parts: vector shifts).
-template <int B, int D>
-inline void unpack(const uint8_t* __restrict c, float* __restrict dst, int64_t d) {
-  constexpr int P = 8 / B, mask = (1 << B) - 1;
-  const int64_t part = (D > 0 ? D : d) / P;
-  for (int j = 0; j < P; ++j) {
-    float* out = dst + j * part;
-    for (int64_t i = 0; i < part; ++i) out[i] = static_cast<float>((c[i] >> (j * B)) & mask);
-  }
-}
 
 constexpr int kKeys = 16;  // rows decoded, then scored (or accumulated), together
 #if defined(THREEFOLD_AVX2)
@@ -105,15 +88,6 @@ inline void accumulate_rows(float* const (&rows)[kKeys], int count, const float*
   for (int64_t g = 0; g < group; ++g)
     for (int j = 0; j < count; ++j) axpy<D>(p[g * n + j], rows[j], acc + g * d, d);
 }
-
-// Adds a low plane (2 bits, packed as codes) to unpacked codes: code + lo / 4 - 3 / 8.
-template <int D>
-inline void refine(const uint8_t* __restrict low, float* __restrict row, float* __restrict tmp, int64_t d) {
-  unpack<2, D>(low, tmp, d);
-  const int64_t n = D > 0 ? D : d;
-  for (int64_t i = 0; i < n; ++i) row[i] += 0.25f * tmp[i] - 0.375f;
-}
-
 
 // T: q and out; W: the window's rows (T, or fp16 beside fp32 q: kv/window.py's window_dtype).
 template <int B, int D, typename T, typename W, bool TIERED>
@@ -215,9 +189,11 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
             for (int64_t g = 0; g < a.group; ++g) {
               int16_t* low = kExact ? q16.data() + gd + g * d : nullptr;
               qa[g] = fast::to_int16<D>(qs.data() + g * d, q16.data() + g * d, low) * (TIERED ? 0.25f : 1.f);  // tiered: 4 x
-              float sum = 0.f;
-              for (int64_t i = 0; i < d; ++i) sum += qs[g * d + i];
-              qsum[g] = 0.375f * sum;
+              if constexpr (TIERED) {  // the band's - 3 / 8 per channel
+                float sum = 0.f;
+                for (int64_t i = 0; i < d; ++i) sum += qs[g * d + i];
+                qsum[g] = 0.375f * sum;
+              }
             }
             while (pos < group_end) {  // 8 keys at a time: each row's codes loaded once for the group's heads
               const int count = static_cast<int>(std::min<int64_t>(8, group_end - pos));
@@ -263,8 +239,8 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
         while (pos < group_end) {  // kKeys rows at a time: decoded into `rows`, scored together
           const int count = static_cast<int>(std::min<int64_t>(kKeys, group_end - pos));
           for (int j = 0; j < count; ++j, codes += kvh_n * width) {
-            unpack<B, D>(codes, rows[j], d);
-            if (TIERED && pos + j >= nm) refine<D>(band + band_row(pos + j), rows[j], tmp.data(), d);
+            unpack_codes<B, D>(codes, rows[j], d);
+            if (TIERED && pos + j >= nm) add_low_plane<D>(band + band_row(pos + j), rows[j], tmp.data(), d);
           }
           score_rows<D>(rows, count, qs.data(), a.group, scores.data() + pos, len, d);
           for (int64_t g = 0; g < a.group; ++g)
@@ -278,59 +254,62 @@ void kivi_run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring
       threefold::softmax_rows(scores.data(), a.group, len, inv_sum.data());
       std::fill(acc.begin(), acc.end(), 0.f);
       add_exact(0, ns, sink_v);  // the sinks
-      // Pass 2a: quantized values, each row decoded once for the Gq heads, kKeys rows at a time.
-      int64_t pos = ns;
-#if defined(THREEFOLD_AVX2)
-      if constexpr (kFast) {
-        if (fast_values) {
-          std::fill(vacc.begin(), vacc.end(), 0.f);
-          std::fill(zsum.begin(), zsum.end(), 0.f);
-          for (; pos < nq;) {
-            const int count = static_cast<int>(std::min<int64_t>(kKeys, nq - pos));
-            int64_t bi = pos / a.block_size, off = pos % a.block_size;
-            for (int j = 0; j < count; ++j) {
-              const int64_t index = (table[bi] * a.block_size + off) * kvh_n + kvh;
-              if (++off == a.block_size) ++bi, off = 0;
-              fast::Codes<B, D>::unpack(a.v_codes + index * width, vcodes[j]);
-              const bool low = TIERED && pos + j >= nm;  // tiered's band: (4 hi + lo) / 4 - 3 / 8
-              if (low) fast::Codes<B, D>::refine(vcodes[j], band + band_side + band_row(pos + j));
-              for (int64_t g = 0; g < a.value_groups; ++g) {
-                const float sc = _cvtsh_ss(a.v_scales[index * a.value_groups + g].x);
-                vscale[g * kKeys + j] = low ? 0.25f * sc : sc;
-                vzero[g * kKeys + j] = _cvtsh_ss(a.v_zeros[index * a.value_groups + g].x) - (low ? 0.375f * sc : 0.f);
-              }
-            }
-            if (count % 2) std::fill(vcodes[count], vcodes[count] + D / 16, _mm256_setzero_si256());
-            fast::values_block<D, kExact>(vcodes, count, scores.data() + pos, len, vscale.data(), vzero.data(),
-                                          a.group, vg, vacc.data(), zsum.data());
-            pos += count;
-          }
-          for (int64_t g = 0; g < a.group; ++g) {
-            fast::unpermute<D>(vacc.data() + g * d, acc.data() + g * d);
-            for (int64_t i = 0; i < d; ++i) acc[g * d + i] += zsum[g * a.value_groups + i / vg];
-          }
-        }
+      // Pass 2a: quantized values, each row decoded once for the Gq heads, kKeys rows at a time: as 16-bit
+      // codes for values_block (the vector path), else dequantized to fp32 for accumulate_rows.
+      if (fast_values) {
+        std::fill(vacc.begin(), vacc.end(), 0.f);
+        std::fill(zsum.begin(), zsum.end(), 0.f);
       }
-#endif
-      for (; pos < nq;) {
+      for (int64_t pos = ns; pos < nq; pos += kKeys) {
         const int count = static_cast<int>(std::min<int64_t>(kKeys, nq - pos));
+        int64_t bi = pos / a.block_size, off = pos % a.block_size;  // walk the table: no division a row
         for (int j = 0; j < count; ++j) {
-          const int64_t blk = table[(pos + j) / a.block_size], off = (pos + j) % a.block_size;
-          const int64_t index = (blk * a.block_size + off) * kvh_n + kvh;
-          float* row_j = rows[j];
-          unpack<B, D>(a.v_codes + index * width, row_j, d);
-          if (TIERED && pos + j >= nm) refine<D>(band + band_side + band_row(pos + j), row_j, tmp.data(), d);
+          const int64_t index = (table[bi] * a.block_size + off) * kvh_n + kvh;
+          if (++off == a.block_size) ++bi, off = 0;
+          const bool low = TIERED && pos + j >= nm;  // tiered's band: (4 hi + lo) / 4 - 3 / 8
           const Half* vs = a.v_scales + index * a.value_groups;
           const Half* vz = a.v_zeros + index * a.value_groups;
+#if defined(THREEFOLD_AVX2)
+          if constexpr (kFast) {
+            if (fast_values) {
+              fast::Codes<B, D>::unpack(a.v_codes + index * width, vcodes[j]);
+              if (low) fast::Codes<B, D>::refine(vcodes[j], band + band_side + band_row(pos + j));
+              for (int64_t c = 0; c < a.value_groups; ++c) {
+                const float sc = _cvtsh_ss(vs[c].x);
+                vscale[c * kKeys + j] = low ? 0.25f * sc : sc;
+                vzero[c * kKeys + j] = _cvtsh_ss(vz[c].x) - (low ? 0.375f * sc : 0.f);
+              }
+              continue;
+            }
+          }
+#endif
+          float* row_j = rows[j];
+          unpack_codes<B, D>(a.v_codes + index * width, row_j, d);
+          if (low) add_low_plane<D>(band + band_side + band_row(pos + j), row_j, tmp.data(), d);
           for (int64_t c = 0; c < a.value_groups; ++c) {
             const float sc = static_cast<float>(vs[c]), zz = static_cast<float>(vz[c]);
             float* chunk = row_j + c * vg;
             for (int64_t i = 0; i < vg; ++i) chunk[i] = chunk[i] * sc + zz;
           }
         }
+#if defined(THREEFOLD_AVX2)
+        if constexpr (kFast) {
+          if (fast_values) {
+            fast::values_block<D, kExact>(vcodes, count, scores.data() + pos, len, vscale.data(), vzero.data(),
+                                          a.group, vg, vacc.data(), zsum.data());
+            continue;
+          }
+        }
+#endif
         accumulate_rows<D>(rows, count, scores.data() + pos, a.group, len, acc.data(), d);
-        pos += count;
       }
+#if defined(THREEFOLD_AVX2)
+      if constexpr (kFast) {
+        if (fast_values)
+          for (int64_t g = 0; g < a.group; ++g)
+            fast::unpermute<D>(vacc.data() + g * d, zsum.data() + g * a.value_groups, vg, acc.data() + g * d);
+      }
+#endif
       // Pass 2b: exact values.
       add_exact(nq, len, window_v);
       for (int64_t g = 0; g < a.group; ++g) {
@@ -353,7 +332,7 @@ void dispatch_dim(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
 template <typename T, typename W>
 void dispatch_bits(const at::Tensor& out, const at::Tensor& q, const at::Tensor& ring, const KiviArgs& a) {
   if (a.band != nullptr) return dispatch_dim<2, T, W, true>(out, q, ring, a);
-  if (a.width_bits == 2) return dispatch_dim<2, T, W, false>(out, q, ring, a);
+  if (a.bits == 2) return dispatch_dim<2, T, W, false>(out, q, ring, a);
   dispatch_dim<4, T, W, false>(out, q, ring, a);
 }
 
@@ -380,8 +359,8 @@ KiviArgs checked_args(const at::Tensor& out, const at::Tensor& q, const at::Tens
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "q and out must share a dtype, float32 or bfloat16, and ring have it too (or float16 beside float32)");
   const int64_t rows = q.size(0), d = q.size(2);
-  check_kivi_blocks(k_codes, v_codes, k_scales, k_zeros, v_scales, v_zeros, d);
-  const int64_t width = k_codes.size(3), kvh = k_codes.size(2), bs = k_codes.size(1);
+  const KiviBlocks blocks = check_kivi_blocks(k_codes, v_codes, k_scales, k_zeros, v_scales, v_zeros, d);
+  const int64_t kvh = k_codes.size(2), bs = k_codes.size(1);
   TORCH_CHECK(ring.dim() == 5 && ring.size(0) == 2 && ring.size(3) == kvh && ring.size(4) == d && ring.is_contiguous(),
               "ring must be contiguous [2, slots, size, kvh, d]");
   TORCH_CHECK(q.size(1) % kvh == 0, "num_heads must be a multiple of num_kv_heads");
@@ -389,11 +368,9 @@ KiviArgs checked_args(const at::Tensor& out, const at::Tensor& q, const at::Tens
                   block_tables.size(0) == rows && same_long(quant_lens, rows) && same_long(seq_lens, rows) &&
                   same_long(slots, rows) && same_long(bases, rows),
               "block_tables [R, width] and quant_lens, seq_lens, slots, bases [R] must be contiguous int64");
-  const KiviArgs a{rows, q.size(1), d, bs, kvh, q.size(1) / kvh, block_tables.size(1),
-                   bs / k_scales.size(1), v_scales.size(3), ring.size(1), ring.size(2), width * 8 / d,
-                   k_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(),
-                   k_scales.data_ptr<Half>(), k_zeros.data_ptr<Half>(), v_scales.data_ptr<Half>(),
-                   v_zeros.data_ptr<Half>(), block_tables.data_ptr<int64_t>(), quant_lens.data_ptr<int64_t>(),
+  const KiviArgs a{blocks, rows, q.size(1), d, bs, kvh, q.size(1) / kvh, block_tables.size(1),
+                   bs / k_scales.size(1), v_scales.size(3), ring.size(1), ring.size(2),
+                   block_tables.data_ptr<int64_t>(), quant_lens.data_ptr<int64_t>(),
                    seq_lens.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), bases.data_ptr<int64_t>(),
                    static_cast<float>(scale)};
   return a;
@@ -419,7 +396,7 @@ void tiered_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at::Tens
   KiviArgs a = checked_args(out, q, k_codes, v_codes, k_scales, k_zeros, v_scales, v_zeros, ring, block_tables,
                             quant_lens, seq_lens, slots, bases, scale);
   const int64_t rows = q.size(0), kvh = a.num_kv_heads, d = a.head_dim;
-  TORCH_CHECK(a.width_bits == 2, "tiered blocks hold 2-bit codes");
+  TORCH_CHECK(a.bits == 2, "tiered blocks hold 2-bit codes");
   TORCH_CHECK(band.scalar_type() == at::kByte && band.is_contiguous() && band.dim() == 5 && band.size(0) == 2 &&
                   band.size(2) > 0 && band.size(3) == kvh && band.size(4) * 4 == d,
               "band must be contiguous uint8 [2, slots, size, kvh, d / 4]");

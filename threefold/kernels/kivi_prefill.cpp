@@ -65,16 +65,10 @@ inline Vec in_register(Vec v) {
   return v;
 }
 
-struct PrefillArgs {
-  int64_t rows, num_heads, head_dim, block_size, num_kv_heads, group, key_group, value_groups, bits;
+struct PrefillArgs : KiviBlocks {
+  int64_t rows, num_heads, head_dim, block_size, num_kv_heads, group, key_group, value_groups;
   int64_t ctx, exact_lo, band_lo, band_len, sink_len;
   bool tiered;
-  const uint8_t* k_codes;
-  const uint8_t* v_codes;
-  const Half* k_scales;
-  const Half* k_zeros;
-  const Half* v_scales;
-  const Half* v_zeros;
   const int64_t* table;
   const int64_t* quant_lens;
   const int64_t* mid_lens;
@@ -83,22 +77,6 @@ struct PrefillArgs {
   const void* sinks;    // [2, sink_len, kvh, d] exact, the exact K/V's dtype (tiered)
   float scale;
 };
-
-// A packed code row -> fp32 codes in channel order.
-template <int B, int D>
-inline void unpack_codes(const uint8_t* __restrict c, float* __restrict dst, int64_t d) {
-  constexpr int P = 8 / B, mask = (1 << B) - 1;
-  const int64_t part = (D > 0 ? D : d) / P;
-  for (int j = 0; j < P; ++j)
-    for (int64_t i = 0; i < part; ++i) dst[j * part + i] = static_cast<float>((c[i] >> (j * B)) & mask);
-}
-
-// codes += lo / 4 - 3 / 8 for a 2-bit low plane `low` (tiered's middle band).
-template <int D>
-inline void add_low_plane(const uint8_t* __restrict low, float* __restrict codes, float* __restrict tmp, int64_t d) {
-  unpack_codes<2, D>(low, tmp, d);
-  for (int64_t i = 0; i < (D > 0 ? D : d); ++i) codes[i] += 0.25f * tmp[i] - 0.375f;
-}
 
 // s[j] = exp(s[j] - shift) for j < kTile, where s[j] <= shift (a hidden score, -1e30, gives 0). AVX-512:
 // 2^(x log2 e) as 2^n p(f), n the nearest integer, p a degree-6 Taylor polynomial of 2^f on |f| <= 1/2
@@ -393,8 +371,8 @@ void kivi_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at
               "q and out must share a dtype, float32 or bfloat16, and the exact K/V have it too (or float16 beside "
               "float32)");
   const int64_t rows = q.size(0), d = q.size(2);
-  check_kivi_blocks(k_codes, v_codes, k_scales, k_zeros, v_scales, v_zeros, d);
-  const int64_t width = k_codes.size(3), kvh = k_codes.size(2), bs = k_codes.size(1);
+  const KiviBlocks checked = check_kivi_blocks(k_codes, v_codes, k_scales, k_zeros, v_scales, v_zeros, d);
+  const int64_t kvh = k_codes.size(2), bs = k_codes.size(1);
   TORCH_CHECK(q.size(1) % kvh == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(exact_k.dim() == 3 && exact_k.sizes() == exact_v.sizes() && exact_k.size(1) == kvh &&
                   exact_k.size(2) == d && exact_k.is_contiguous() && exact_v.is_contiguous(),
@@ -403,7 +381,7 @@ void kivi_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at
                   row_meta.scalar_type() == at::kLong && row_meta.is_contiguous() && row_meta.dim() == 2 &&
                   row_meta.size(0) == 3 && row_meta.size(1) == rows,
               "block_table [width] and row_meta [3, L] must be contiguous int64");
-  TORCH_CHECK(!tiered || (width * 8 == 2 * d && band.scalar_type() == at::kByte && band.is_contiguous() &&
+  TORCH_CHECK(!tiered || (checked.bits == 2 && band.scalar_type() == at::kByte && band.is_contiguous() &&
                           band.dim() == 4 && band.size(0) == 2 && band.size(2) == kvh && band.size(3) * 4 == d &&
                           sinks.scalar_type() == exact_k.scalar_type() && sinks.is_contiguous() &&
                           sinks.dim() == 4 && sinks.size(0) == 2 && sinks.size(2) == kvh && sinks.size(3) == d),
@@ -424,10 +402,8 @@ void kivi_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at
   const int64_t* table = block_table.data_ptr<int64_t>();
   for (int64_t i = 0; i < blocks; ++i)
     TORCH_CHECK(table[i] >= 0 && table[i] < k_codes.size(0), "block_table names a block out of range");
-  const PrefillArgs a{rows, q.size(1), d, bs, kvh, q.size(1) / kvh, bs / k_scales.size(1), v_scales.size(3),
-                      width * 8 / d, ctx, exact_lo, band_lo, tiered ? band.size(1) : 0, tiered ? sinks.size(1) : 0, tiered,
-                      k_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(), k_scales.data_ptr<Half>(),
-                      k_zeros.data_ptr<Half>(), v_scales.data_ptr<Half>(), v_zeros.data_ptr<Half>(), table, meta,
+  const PrefillArgs a{checked, rows, q.size(1), d, bs, kvh, q.size(1) / kvh, bs / k_scales.size(1), v_scales.size(3),
+                      ctx, exact_lo, band_lo, tiered ? band.size(1) : 0, tiered ? sinks.size(1) : 0, tiered, table, meta,
                       meta + rows, meta + 2 * rows, tiered ? band.data_ptr<uint8_t>() : nullptr,
                       tiered ? sinks.data_ptr() : nullptr, static_cast<float>(scale)};
   if (q.scalar_type() == at::kBFloat16) return dispatch_bits<at::BFloat16, at::BFloat16>(out, q, exact_k, exact_v, a);
@@ -568,7 +544,7 @@ void kivi_encode(at::Tensor k_codes, at::Tensor v_codes, at::Tensor k_scales, at
                   k.scalar_type() == v.scalar_type(),
               "k and v must be contiguous [n, bs, kvh, d] of one dtype");
   const int64_t n = k.size(0), bs = k.size(1), kvh = k.size(2), d = k.size(3);
-  const int bits = static_cast<int>(check_kivi_blocks(k_codes, v_codes, k_scales, k_zeros, v_scales, v_zeros, d));
+  const int bits = static_cast<int>(check_kivi_blocks(k_codes, v_codes, k_scales, k_zeros, v_scales, v_zeros, d).bits);
   const int64_t group = bs / k_scales.size(1);
   TORCH_CHECK(k_codes.size(1) == bs && k_codes.size(2) == kvh && v_scales.size(3) * group == d,
               "codes must hold k's bs and kvh, and the value scales the keys' G");

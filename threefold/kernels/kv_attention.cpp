@@ -204,16 +204,14 @@ void run_int4_codes(const at::Tensor& out, const at::Tensor& q, const Side& ks, 
             vzero[cg * fast::kRows + j] = vs.zeros[index * groups + cg];
           }
         }
-        if (count % 2) std::fill(vcodes[count], vcodes[count] + K16, _mm256_setzero_si256());
         fast::values_block<D, kExact>(vcodes, count, scores.data() + t0, n, vscale.data(), vzero.data(), a.group,
                                       vg, vacc.data(), zsum.data());
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t g = 0; g < a.group; ++g) {
-        fast::unpermute<D>(vacc.data() + g * D, acc.data() + g * D);
+        fast::unpermute<D>(vacc.data() + g * D, zsum.data() + g * groups, vg, acc.data() + g * D);
         T* dst = io.output(b, kvh * a.group + g);
-        for (int64_t i = 0; i < D; ++i)
-          dst[i] = static_cast<T>((acc[g * D + i] + zsum[g * groups + i / vg]) * inv_sum[g]);
+        for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[g * D + i] * inv_sum[g]);
       }
     }
   });

@@ -126,6 +126,11 @@ class KiviAttention:
         """nm(n) (`tiered`): tokens of n read at 2 bits; [nm, nq) are the 4-bit middle band."""
         return max(window.start, self.quantized_len(window, n, residual) - middle)
 
+    def sink_len(self, codec: TieredCodec, window: Window) -> int:
+        """`tiered`'s exact sinks for a request: `codec.sink`, none after a prefix hit (whose shared tokens,
+        sinks included, read at 2 bits)."""
+        return codec.sink if window.start == 0 else 0
+
     def _row(self, layer_idx: int) -> int:
         return layer_idx if self.rows is None else self.rows[layer_idx]
 
@@ -254,7 +259,7 @@ class KiviAttention:
                    band_base: int) -> torch.Tensor:
         """tiered_attention's rows for request r at lengths `lens`: nm, band slot, band base, sinks, sinks slot."""
         nq = [self.quantized_len(r.window, n, residual) for n in lens]
-        sinks = codec.sink if r.window.start == 0 else 0
+        sinks = self.sink_len(codec, r.window)
         return torch.tensor([[self.middle_len(r.window, n, residual, codec.middle) for n in lens], [band_row] * len(nq),
                              [band_base] * len(nq), [min(sinks, x) for x in nq], [r.window.slot] * len(nq)],
                             device=self.arena.ring.device)
@@ -322,14 +327,14 @@ class KiviAttention:
         in every layer of a residual: built once)."""
         plan = self._step_plan()
         if (i, residual) not in plan.prefill_meta:
-            r, bs = self.requests[i], self.block_size
-            n = torch.arange(r.context_len + 1, r.context_len + r.query_len + 1, device=self.arena.ring.device)
-            nq = (n - residual).div(bs, rounding_mode="floor").mul(bs).clamp(min=r.window.start)
+            r = self.requests[i]
+            ns = range(r.context_len + 1, r.context_len + r.query_len + 1)
+            nq = torch.tensor([self.quantized_len(r.window, n, residual) for n in ns], device=self.arena.ring.device)
             if tiered is None:
                 meta = torch.stack([nq, nq, torch.zeros_like(nq)])
             else:
-                sinks = tiered.sink if r.window.start == 0 else 0
-                meta = torch.stack([nq, (nq - tiered.middle).clamp(min=r.window.start), nq.clamp(max=sinks)])
+                tier = self._tier_meta(tiered, residual, r, ns, 0, 0)  # its rows nm and ns
+                meta = torch.stack([nq, tier[0], tier[3]])
             plan.prefill_meta[i, residual] = meta
         return plan.prefill_meta[i, residual]
 
@@ -362,7 +367,7 @@ class KiviAttention:
                                       r.block_ids[band_lo // bs: num_quantized // bs], written.k_low[:n],
                                       written.v_low[:n])
                 parts.append((km, vm, torch.arange(band_lo, num_quantized, device=device), "middle"))
-            sinks = min(codec.sink if r.window.start == 0 else 0, num_quantized)
+            sinks = min(self.sink_len(codec, r.window), num_quantized)
             if sinks:
                 exact = self.arena.sinks[self._row(layer_idx), :, r.window.slot, :sinks].to(kq.dtype)
                 parts.append((exact[0], exact[1], torch.arange(sinks, device=device), "sink"))
