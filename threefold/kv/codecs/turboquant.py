@@ -99,8 +99,8 @@ class TurboQuantCodec(KVCodec[TurboStorage]):
         self.kbits, self.vbits, self.qjl = spec["kbits"], spec["vbits"], bool(spec["qjl"])
         self.residual = spec["residual"]
         gen = torch.Generator().manual_seed(spec["seed"])
-        signs = torch.randint(0, 2, (num_kv_heads, head_dim), generator=gen).float() * 2 - 1
-        self.rotation = hadamard(head_dim) * signs.unsqueeze(1) / math.sqrt(head_dim)  # [kvh, d, d]: y = x @ R^T
+        self.signs = torch.randint(0, 2, (num_kv_heads, head_dim), generator=gen).float() * 2 - 1  # s [kvh, d]
+        self.rotation = hadamard(head_dim) * self.signs.unsqueeze(1) / math.sqrt(head_dim)  # [kvh, d, d]: y = x @ R^T
         self.projection = torch.randn(num_kv_heads, head_dim, head_dim, generator=gen)  # S [kvh, m = d, d]
         self.k_book = lloyd_max(head_dim, self.kbits)
         self.v_book = lloyd_max(head_dim, self.vbits)
@@ -193,5 +193,8 @@ class TurboQuantCodec(KVCodec[TurboStorage]):
         return k_hat.to(self.compute_dtype), v_hat.to(self.compute_dtype)
 
     def layout(self, storage: TurboStorage) -> KVLayout:
-        return KVLayout("turboquant", storage.k_codes, storage.v_codes,
-                        read=functools.partial(self.read, storage))
+        device = storage.k_codes.device
+        aux = (storage.k_signs, storage.norms, self.signs.to(device), self.projection.to(device),
+               self.k_book[0].to(device), self.v_book[0].to(device))
+        return KVLayout("turboquant", storage.k_codes, storage.v_codes, read=functools.partial(self.read, storage),
+                        aux=aux)
