@@ -21,9 +21,13 @@ as KIVI packs its 1-bit case):
     norms   [3, num_blocks, block_size, kvh]              fp16    (||k||, ||v||, ||r|| of keys)
 
 A token's codes depend on that token alone, so prefix caching and preemption see plain blocks.
-There is no native kernel yet: attention reads through the reference path (`KVLayout.read`).
+Attention reads the packed blocks in place: kernels/tq_attention.cpp rotates each query once (a fast
+Walsh-Hadamard transform), scores a key as ||k|| <R q, c[codes]> plus the QJL term
+||r|| sqrt(pi / 2) / d <S R q, sign>, and accumulates values rotated, turning them back once per
+query head (tq_decode_attention from kv/native.py: decode rows, prefill chunks, sliding window,
+candidate trees). `read` (the dense reconstruction) stays as the plain-torch reference path.
 `residual` > 0 puts KIVI's full-precision window (kv/window.py) in front: blocks are then encoded
-whole as they leave it, and read through worker/kivi_attention.py. Measured on SmolLM2 (BENCHMARKS.md):
+whole (in torch) as they leave it, and read through worker/kivi_attention.py (tq_window_attention). Measured on SmolLM2 (BENCHMARKS.md):
 without a window every token, the current one included, is compressed (+78% perplexity); with
 residual=128 and qjl=0 it beats kivi2 on both bytes and perplexity (+2.5%).
 """
