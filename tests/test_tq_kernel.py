@@ -58,7 +58,7 @@ def decode_rows(num_blocks: int, bs: int):
     chunk sharing one table (row i sees 37 + i keys: two query groups, one of 16 rows)."""
     gen = torch.Generator().manual_seed(5)
     width = 8
-    lens = [1, bs - 1, bs + 3, 5 * bs, width * bs] + list(range(38, 58))
+    lens = [1, bs - 1, bs + 3, 5 * bs, width * bs, *range(38, 58)]
     tables = [torch.randperm(num_blocks - 1, generator=gen)[:width] + 1 for _ in range(5)]
     chunk = torch.randperm(num_blocks - 1, generator=gen)[:width] + 1
     tables += [chunk] * 20
@@ -108,7 +108,7 @@ def test_the_check_catches_a_dropped_qjl_term_or_rotation(kernels):
     no_qjl = storage.norms.clone()
     no_qjl[2] = 0
     no_signs = torch.ones_like(codec.signs)
-    for broken in (dict(norms=no_qjl), dict(rot_signs=no_signs)):
+    for broken in ({"norms": no_qjl}, {"rot_signs": no_signs}):
         with pytest.raises(AssertionError, match="Mismatched elements"):
             torch.testing.assert_close(attend(kernels, layout, q, tables, lens, 0, **broken), expected,
                                        **tolerance(torch.float32))

@@ -27,9 +27,10 @@ Walsh-Hadamard transform), scores a key as ||k|| <R q, c[codes]> plus the QJL te
 query head (tq_decode_attention from kv/native.py: decode rows, prefill chunks, sliding window,
 candidate trees). `read` (the dense reconstruction) stays as the plain-torch reference path.
 `residual` > 0 puts KIVI's full-precision window (kv/window.py) in front: blocks are then encoded
-whole (in torch) as they leave it, and read through worker/kivi_attention.py (tq_window_attention). Measured on SmolLM2 (BENCHMARKS.md):
-without a window every token, the current one included, is compressed (+78% perplexity); with
-residual=128 and qjl=0 it beats kivi2 on both bytes and perplexity (+2.5%).
+whole (in torch) as they leave it, and read through worker/kivi_attention.py (tq_window_attention).
+Measured on SmolLM2 (BENCHMARKS.md): without a window every token, the current one included, is
+compressed (+78% perplexity); with residual=128 and qjl=0 it beats kivi2 on both bytes and
+perplexity (+2.5%).
 """
 
 from __future__ import annotations
