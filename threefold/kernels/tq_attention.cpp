@@ -109,13 +109,21 @@ inline void decode_codes(const uint8_t* __restrict planes, int64_t bits, const f
   const int64_t n = D > 0 ? D : d, part = n / 8;
 #if defined(THREEFOLD_AVX512)
   if constexpr (D == 64 || D == 128) {
-    __mmask64 m[4][D / 64];
-    for (int64_t b = 0; b < bits; ++b) plane_masks<D>(planes + b * part, m[b]);
+    // The codes as bytes in channel order (plane b adds 1 << b where its bit is set), then 16 at a time
+    // widened to indices into the codebook held in one register.
+    __m512i codes[D / 64];
+    for (int x = 0; x < D / 64; ++x) codes[x] = _mm512_setzero_si512();
+    for (int64_t b = 0; b < bits; ++b) {
+      __mmask64 m[D / 64];
+      plane_masks<D>(planes + b * part, m);
+      const __m512i bit = _mm512_set1_epi8(static_cast<char>(1 << b));
+      for (int x = 0; x < D / 64; ++x) codes[x] = _mm512_mask_add_epi8(codes[x], m[x], codes[x], bit);
+    }
+    alignas(64) uint8_t bytes[D];
+    for (int x = 0; x < D / 64; ++x) _mm512_store_si512(bytes + 64 * x, codes[x]);
     const __m512 table = _mm512_mul_ps(_mm512_loadu_ps(book), _mm512_set1_ps(scale));
     for (int v = 0; v < D / 16; ++v) {
-      __m512i index = _mm512_setzero_si512();
-      for (int64_t b = 0; b < bits; ++b)
-        index = _mm512_mask_or_epi32(index, lanes(m[b], v), index, _mm512_set1_epi32(1 << b));
+      const __m512i index = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(bytes + 16 * v)));
       _mm512_storeu_ps(dst + 16 * v, _mm512_permutexvar_ps(index, table));
     }
     return;
@@ -165,6 +173,79 @@ std::vector<int64_t> tq_groups(const TqArgs& a, bool windowed) {
   return starts;
 }
 
+inline float half(Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+constexpr int kTile = 16;  // keys scored together
+
+
+#if defined(THREEFOLD_AVX512)
+// v[j] -> the sum of v[j]'s lanes, for j < 16, as one vector (a transposing add tree).
+inline __m512 reduce16(const __m512 (&v)[16]) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+// s[j] = q . keys[j] (rows of kd floats) for j < count <= kTile; the tile's other rows are finite.
+template <int KD>
+inline void score_tile(const float* __restrict q, const float* __restrict keys, int count, float* __restrict s,
+                       int64_t kd) {
+#if defined(THREEFOLD_AVX512)
+  if constexpr (KD >= 64 && KD % 32 == 0) {
+    constexpr int V = KD / 16;
+    __m512 dots[kTile];
+    for (int j = 0; j < kTile; ++j) {
+      const float* k = keys + j * KD;
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+      __m512 b = _mm512_mul_ps(_mm512_loadu_ps(q + 16), _mm512_loadu_ps(k + 16));
+      for (int v = 2; v < V; v += 2) {
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * v), _mm512_loadu_ps(k + 16 * v), a);
+        b = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * v + 16), _mm512_loadu_ps(k + 16 * v + 16), b);
+      }
+      dots[j] = _mm512_add_ps(a, b);
+    }
+    _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << count) - 1), reduce16(dots));
+    return;
+  }
+#endif
+  for (int j = 0; j < count; ++j) s[j] = dot<KD>(q, keys + j * kd, kd);
+}
+
+// acc[0, d) += sum_j p[j] rows[j] for j < count (rows of d floats): the output held in registers over the tile.
+template <int D>
+inline void accumulate_tile(const float* __restrict p, const float* __restrict rows, int count, float* __restrict acc,
+                            int64_t d) {
+#if defined(THREEFOLD_AVX512)
+  if constexpr (D == 64 || D == 128) {
+    constexpr int V = D / 16;
+    __m512 sum[V];
+    for (int v = 0; v < V; ++v) sum[v] = _mm512_loadu_ps(acc + 16 * v);
+    for (int j = 0; j < count; ++j) {
+      const __m512 w = _mm512_set1_ps(p[j]);
+      for (int v = 0; v < V; ++v) sum[v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(rows + j * D + 16 * v), sum[v]);
+    }
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + 16 * v, sum[v]);
+    return;
+  }
+#endif
+  for (int j = 0; j < count; ++j) axpy<D>(p[j], rows + j * d, acc, d);
+}
+
 enum Form { kHidden = 0, kBlocks = 1, kExact = 2 };
 
 // T: q and out; W: the window's rows (T, or fp16 beside fp32 q); QJL: keys carry the sign plane.
@@ -192,7 +273,10 @@ void tq_run(const at::Tensor& out, const at::Tensor& q, const TqArgs& a) {
   const int64_t gd = a.group * d;
 
   at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
-    std::vector<float> qf, qq, acc, exact_acc, scores, inv_sum, key(kd), row(d);
+    std::vector<float> qf, qq, acc, exact_acc, scores, inv_sum, row(d);
+    std::vector<float> keys(kTile * kd, 0.f), exact_keys(WINDOWED ? kTile * d : 0, 0.f);  // a tile's decoded keys
+    bool tile_blocks = false, tile_other = false;  // some key of the tile read from the blocks / otherwise
+    float weights[kTile];
     std::vector<uint8_t> forms;
     for (int64_t item = bounds[part_begin]; item < bounds[part_end]; ++item) {
       const int64_t gi = item / kvh_n, kvh = item % kvh_n;
@@ -253,34 +337,43 @@ void tq_run(const at::Tensor& out, const at::Tensor& q, const TqArgs& a) {
         i = i < 0 ? i + a.ring_size : i;
         return ring + ((a.slots[b] * a.ring_size + i) * kvh_n + kvh) * d;
       };
-      // Pass 1: scores[rg, t], each key decoded once for the group's rows and heads.
+      // Pass 1: scores[rg, t], kTile keys at a time: each key decoded once for the group's rows and heads,
+      // then scored by every (row, head) together; a key a row reads exact (or not at all) is rescored.
       scores.resize(num_scores * n);
       for_each_key([&](int64_t t, int64_t index) {
+        const int j = static_cast<int>(t % kTile);
         const uint8_t* f = forms.data() + t * rows;
         bool blocks = false, exact = false;
         for (int64_t r = 0; r < rows; ++r) blocks |= f[r] == kBlocks, exact |= f[r] == kExact;
+        tile_blocks |= blocks, tile_other |= exact || !blocks;
         if (blocks) {
-          decode_codes<D>(a.k_codes + index * a.kbits * part, a.kbits, a.k_book,
-                          static_cast<float>(a.norms[index]), key.data(), d);
+          float* key = keys.data() + j * kd;
+          decode_codes<D>(a.k_codes + index * a.kbits * part, a.kbits, a.k_book, half(a.norms[index]), key, d);
           if constexpr (QJL)
-            decode_signs<D>(a.k_signs + index * part, qjl_weight * static_cast<float>(a.norms[2 * a.norm_plane + index]),
-                            key.data() + d, d);
+            decode_signs<D>(a.k_signs + index * part, qjl_weight * half(a.norms[2 * a.norm_plane + index]), key + d, d);
         }
         if constexpr (WINDOWED) {
-          if (exact) widen<D>(exact_row(lo + t), row.data(), d);
+          if (exact) widen<D>(exact_row(lo + t), exact_keys.data() + j * d, d);
         }
+        if (j + 1 < kTile && t + 1 < n) return;
+        const int64_t t0 = t - j;
+        const int count = j + 1;
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t g = 0; g < a.group; ++g) {
             const int64_t rg = r * a.group + g;
-            float& s = scores[rg * n + t];
-            if (f[r] == kBlocks) {
-              s = dot<KD>(qq.data() + rg * kd, key.data(), kd);
-            } else if (WINDOWED && f[r] == kExact) {
-              s = dot<D>(qf.data() + rg * d, row.data(), d);
-            } else {
-              s = threefold::kHiddenScore;
+            float* s = scores.data() + rg * n + t0;
+            if (tile_blocks) score_tile<KD>(qq.data() + rg * kd, keys.data(), count, s, kd);
+            if (!tile_other) continue;
+            for (int i = 0; i < count; ++i) {
+              const uint8_t form = forms[(t0 + i) * rows + r];
+              if (WINDOWED && form == kExact) {
+                s[i] = dot<D>(qf.data() + rg * d, exact_keys.data() + i * d, d);
+              } else if (form != kBlocks) {
+                s[i] = threefold::kHiddenScore;
+              }
             }
           }
+        tile_blocks = tile_other = false;
       });
       inv_sum.resize(num_scores);
       threefold::softmax_rows(scores.data(), num_scores, n, inv_sum.data());
@@ -291,16 +384,23 @@ void tq_run(const at::Tensor& out, const at::Tensor& q, const TqArgs& a) {
         const uint8_t* f = forms.data() + t * rows;
         bool blocks = false, exact = false;
         for (int64_t r = 0; r < rows; ++r) blocks |= f[r] == kBlocks, exact |= f[r] == kExact;
-        if (blocks) {
-          decode_codes<D>(a.v_codes + index * a.vbits * part, a.vbits, a.v_book,
-                          static_cast<float>(a.norms[a.norm_plane + index]), key.data(), d);
-          for (int64_t r = 0; r < rows; ++r) {
-            if (f[r] != kBlocks) continue;
+        const int j = static_cast<int>(t % kTile);
+        tile_blocks |= blocks;
+        if (blocks)
+          decode_codes<D>(a.v_codes + index * a.vbits * part, a.vbits, a.v_book, half(a.norms[a.norm_plane + index]),
+                          keys.data() + j * d, d);
+        if ((j + 1 == kTile || t + 1 == n) && tile_blocks) {  // the tile's rows, weighted per (row, head)
+          const int64_t t0 = t - j;
+          const int count = j + 1;
+          for (int64_t r = 0; r < rows; ++r)
             for (int64_t g = 0; g < a.group; ++g) {
               const int64_t rg = r * a.group + g;
-              axpy<D>(scores[rg * n + t], key.data(), acc.data() + rg * d, d);
+              float* p = weights;
+              for (int i = 0; i < count; ++i)
+                p[i] = forms[(t0 + i) * rows + r] == kBlocks ? scores[rg * n + t0 + i] : 0.f;
+              accumulate_tile<D>(p, keys.data(), count, acc.data() + rg * d, d);
             }
-          }
+          tile_blocks = false;
         }
         if constexpr (WINDOWED) {
           if (!exact) return;
