@@ -16,10 +16,12 @@
 //   sum_t p_t v^_t = R^T sum_t p_t ||v_t|| c_V[vcodes_t]      (accumulated rotated, turned back once)
 // A key is decoded once for every query row and head that reads it: its rotated row ||k|| c_K[codes]
 // and its signs (+-||r|| sqrt(pi / 2) / d) as one fp32 row of 2d, scored by one 2d dot against
-// [qr, u]; a value row ||v|| c_V[codes] is accumulated as is. The rotation is a fast Walsh-Hadamard
-// transform (d log d) per query head, there and back. AVX-512 (head_dim 64 or 128): a row's code bits
-// come out of its planes in channel order by byte tests (vptestmb), its centroids by a register
-// permute (vpermps from the <= 16 of the codebook); elsewhere a plain loop.
+// [qr, u]; a value row ||v|| c_V[codes] is accumulated as is. Keys and values go in tiles of 16: the
+// 16 dots of a (row, head) reduced by one transposing add tree, the 16 values accumulated into an
+// output held in registers. The rotation is a fast Walsh-Hadamard transform (d log d) per query head,
+// there and back. AVX-512 (head_dim 64 or 128): a row's code bits come out of its planes in channel
+// order by byte tests (vptestmb), its centroids by a register permute (vpermps from the <= 16 of the
+// codebook); elsewhere plain loops.
 //
 // tq_decode_attention (residual = 0, kv/native.py): every key from the blocks; a sliding window and a
 // candidate tree's ancestor mask as in the dense kernel. tq_window_attention (residual > 0,
