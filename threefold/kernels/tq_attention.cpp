@@ -345,9 +345,10 @@ void tq_run(const at::Tensor& out, const at::Tensor& q, const TqArgs& a) {
       for_each_key([&](int64_t t, int64_t index) {
         const int j = static_cast<int>(t % kTile);
         const uint8_t* f = forms.data() + t * rows;
-        bool blocks = false, exact = false;
-        for (int64_t r = 0; r < rows; ++r) blocks |= f[r] == kBlocks, exact |= f[r] == kExact;
-        tile_blocks |= blocks, tile_other |= exact || !blocks;
+        bool blocks = false, exact = false, all_blocks = true;
+        for (int64_t r = 0; r < rows; ++r)
+          blocks |= f[r] == kBlocks, exact |= f[r] == kExact, all_blocks &= f[r] == kBlocks;
+        tile_blocks |= blocks, tile_other |= !all_blocks;
         if (blocks) {
           float* key = keys.data() + j * kd;
           decode_codes<D>(a.k_codes + index * a.kbits * part, a.kbits, a.k_book, half(a.norms[index]), key, d);
