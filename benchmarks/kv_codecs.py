@@ -9,8 +9,9 @@ contexts of >= 1024 tokens, scored position by position with prefill chunks of 6
 so every chunk after the first reads its context back from the compressed cache; ppl, KL
 against `auto` and top-1 agreement over all positions. Fidelity: the model's real K/V of the
 first context round-tripped through each codec, attention recomputed (cosines, top-1 key).
-Speed: one layer's decode attention (native kernels, KIVI's too; GEAR, TurboQuant: their
-plain-torch path) per token at 1k and 4k contexts (--speed-lengths), batch 4, against `auto`.
+Speed: one layer's decode attention (native kernels, KIVI's and TurboQuant's too; GEAR: its
+plain-torch path) per token at 1k and 4k contexts (--speed-lengths), batch 4, against `auto`
+(TurboQuant without a window also through its plain-torch reference path: `reference_*`).
 Prefill (--prefill, under the lock): one prompt of --prompt-tokens concatenated test-split conversations
 in one chunk, timed end to end (LLM.generate, 1 output token; best and median of --repeats), per codec,
 and for KIVI / tiered also through the previous path (blocks encoded in torch, chunks through the decode
@@ -41,7 +42,7 @@ from threefold.engine.llm import LLM
 from threefold.kernels import cpu_kernels
 from threefold.kv.capacity import mix_geometry
 from threefold.kv.mix import is_mix, parse_mix
-from threefold.kv.native import decode_attention
+from threefold.kv.native import _reference_decode, decode_attention
 from threefold.kv.registry import make_codec
 from threefold.kv.spec import parse_kv_spec
 
@@ -173,7 +174,7 @@ def speed_rows(config, codecs: list[str], dtype: torch.dtype, lengths=(1024, 409
         lens = torch.full((batch,), length, dtype=torch.long)
         q = torch.randn(batch, heads, d).to(dtype)
         out = torch.empty_like(q)
-        timings, steps = {}, {}
+        timings, steps, references = {}, {}, {}
         for spec in codecs:
             codec = make_codec(spec, kvh, d, dtype)
             if codec.window_tokens(block_size_for(spec)):
@@ -185,11 +186,16 @@ def speed_rows(config, codecs: list[str], dtype: torch.dtype, lengths=(1024, 409
             layout = codec.layout(storage)
             timings[spec] = best_time(
                 functools.partial(decode_attention, kernels, out, q, layout, tables, lens, d ** -0.5, 0), repeats)
+            if layout.kind == "turboquant":  # the path it took before its kernel: the codec's dense read + SDPA
+                references[spec] = best_time(functools.partial(
+                    _reference_decode, out, q, layout.read, tables, lens, d ** -0.5, 0), max(1, repeats // 4))
             del storage, layout
         rows.extend({"codec": spec, "context": length, "us_per_token_per_layer": timings[spec] / batch * 1e6,
                      "vs_auto": timings[spec] / timings["auto"],
                      **({"step_us_per_token_per_layer": steps[spec] / batch * 1e6,
-                         "step_vs_auto": steps[spec] / timings["auto"]} if spec in steps else {})}
+                         "step_vs_auto": steps[spec] / timings["auto"]} if spec in steps else {}),
+                     **({"reference_us_per_token_per_layer": references[spec] / batch * 1e6,
+                         "reference_vs_auto": references[spec] / timings["auto"]} if spec in references else {})}
                     for spec in codecs)
     return rows
 
@@ -197,13 +203,13 @@ def speed_rows(config, codecs: list[str], dtype: torch.dtype, lengths=(1024, 409
 def kivi_decode_time(codec, config, length: int, batch: int, dtype: torch.dtype,
                      repeats: int) -> tuple[float, float]:
     """One layer's decode attention over KIVI blocks + windows (the native kernel where it runs: kivi2,
-    kivi4, tiered; the context is written, not attended): the kernel call alone, like the
+    kivi4, tiered, turboquant; the context is written, not attended): the kernel call alone, like the
     dense rows, and the whole KiviAttention step (the ring writes and per-step Python around it)."""
     from threefold.kv.paged import PagedKVCache
     from threefold.kv.window import ArenaShape, WindowArena, window_dtype
     from threefold.worker.kivi_attention import KiviAttention, KiviRequest
 
-    block_size, kvh, d = codec.group, config.num_kv_heads, config.head_dim
+    block_size, kvh, d = getattr(codec, "group", 16), config.num_kv_heads, config.head_dim  # turboquant: 16
     per_seq = length // block_size + 1
     cache = PagedKVCache(codec, 1, batch * per_seq + 1, block_size, torch.device("cpu"))
     arena = WindowArena(ArenaShape.of([codec], block_size), batch, kvh, d, window_dtype(dtype), torch.device("cpu"))
@@ -224,7 +230,7 @@ def kivi_decode_time(codec, config, length: int, batch: int, dtype: torch.dtype,
     step(0, q, k, v)
     layout, out = cache.layout(0), torch.empty_like(q)
     whole = best_time(lambda: step(0, q, k, v), repeats)  # the step rewrites one position: the same work each call
-    if step.kernels is None or layout.kind not in ("kivi", "tiered"):  # GEAR, TurboQuant: the plain-torch path
+    if step.kernels is None or layout.kind not in ("kivi", "tiered", "turboquant"):  # GEAR: the plain-torch path
         return whole, whole
     _, tables, meta, *tier = step._decode_args(codec.residual, codec if layout.kind == "tiered" else None)
     extra = (arena.band[0], arena.sinks[0], *tier) if tier else ()

@@ -1,7 +1,7 @@
 """Candidate trees in the native decode kernel (worker/tree_verify.py: the tree rows as one decode
 group with an ancestor bitmask) against the brute-force masked attention of spec/tree.py and against
 the torch tree path, on random trees: dense caches in every build this CPU runs, the codec caches
-(int8, fp8, int4 in the kernel; turboquant through its reference read), and a whole step's batch
+(int8, fp8, int4 in kv_attention.cpp; turboquant in tq_attention.cpp), and a whole step's batch
 (decodes, a chain verify, trees, a prefill chunk) through PagedAttention with the kernel on and off."""
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def test_dense_kernel_tree_rows_match_brute_force(any_build, dtype, heads, kv_he
 
 @pytest.mark.parametrize("spec", ["int8", "fp8", "int4", "turboquant"])
 def test_codec_kernel_tree_rows_match_brute_force(kernels, spec):
-    """The compressed caches' kernel (turboquant: the codec's reference read, masked the same way)."""
+    """The compressed caches' kernels (turboquant: tq_attention.cpp, against its codec's dense read)."""
     rng = random.Random(1)
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     trees = [random_tree(n, rng) for n in TREE_SIZES]

@@ -34,7 +34,8 @@ class KVLayout:
     """One layer's storage as the native kernel reads it (k/v: [num_blocks, block_size, kvh, width])."""
 
     kind: str
-    """"dense" (k/v are rows in the compute dtype), "int8", "fp8" or "int4"."""
+    """"dense" (k/v are rows in the compute dtype), "int8", "fp8", "int4", or a kind with its own kernel
+    ("kivi", "tiered", "turboquant")."""
     k: torch.Tensor
     v: torch.Tensor
     k_scales: torch.Tensor | None = None
@@ -44,8 +45,11 @@ class KVLayout:
     lut: torch.Tensor | None = None
     """fp8: the 256 fp32 values of the code bytes (the kernel decodes by table lookup)."""
     read: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
-    """A codec with no native kernel (turboquant): its reference `read` of a block table, which
-    kv/native.py's decode_attention then attends over in plain torch."""
+    """The codec's reference `read` of a block table, where kv/native.py's decode_attention attends in
+    plain torch (a codec without a native kernel; turboquant keeps it for the reference path)."""
+    aux: tuple[torch.Tensor, ...] = ()
+    """The rest of the storage a kind's kernel reads ("turboquant": k_signs, norms, rotation signs,
+    QJL projection, key and value codebooks; see kernels/tq_attention.cpp)."""
 
 
 class KVCodec(ABC, Generic[StorageT]):

@@ -1,6 +1,8 @@
 """The native attention kernels over any codec's layout (threefold/kernels: the dense
-paged_decode_attention, and kv_attention.cpp's kv_decode_attention for int8 / fp8 / int4).
-A codec without a kernel (turboquant) gives its reference read instead, attended in plain torch."""
+paged_decode_attention, kv_attention.cpp's kv_decode_attention for int8 / fp8 / int4, and
+tq_attention.cpp's tq_decode_attention for turboquant, its packed blocks read in place).
+A codec without a kernel gives its reference read instead, attended in plain torch
+(`_reference_decode`, which turboquant's tests compare its kernel against)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,10 @@ def decode_attention(kernels: ModuleType, out: torch.Tensor, q: torch.Tensor, la
     tree_starts[b] + j (and later) only where bit j of its words is set (worker/tree_verify.tree_bits)."""
     starts = _EMPTY_LONG if tree_starts is None else tree_starts
     bits = _EMPTY_LONG if tree_bits is None else tree_bits
+    if layout.kind == "turboquant":
+        kernels.tq_decode_attention(out, q, layout.k, layout.v, *layout.aux, block_table, seq_lens, scale, window,
+                                    starts, bits)
+        return
     if layout.read is not None:
         _reference_decode(out, q, layout.read, block_table, seq_lens, scale, window, tree_starts, tree_bits)
         return

@@ -20,12 +20,15 @@ in this very step is encoded before any request reads it.
 Two paths compute the same thing (chosen per step, logged once):
 
     native kernels  kernels/kivi_attention.cpp reads the packed blocks in place (kivi2/kivi4 and
-                    tiered, not GEAR/turboquant): all decode rows of a step in one call over the
-                    rings; kernels/kivi_prefill.cpp takes each prefill chunk in one call over its
+                    tiered, not GEAR): all decode rows of a step in one call over the rings;
+                    kernels/kivi_prefill.cpp takes each prefill chunk in one call over its
                     exact K/V, decoding each key tile once for a tile of rows, and encodes the
-                    blocks a step completes (kivi_encode: the torch quantizer's codes, bit for bit)
+                    blocks a step completes (kivi_encode: the torch quantizer's codes, bit for bit).
+                    turboquant: kernels/tq_attention.cpp's tq_window_attention, the decode rows in
+                    one call over the rings and each chunk in one call over its exact K/V (its rows
+                    share every key they decode, 16 rows at a time); blocks encoded in torch
     plain torch     blocks dequantized (`read_blocks`) and one masked SDPA per request: the
-                    reference, for tests, machines without a compiler, GEAR and turboquant
+                    reference, for tests, machines without a compiler, and GEAR
 """
 
 from __future__ import annotations
@@ -141,7 +144,7 @@ class KiviAttention:
         codec = self._codec(layer_idx)
         residual = codec.residual if self.residual is None else self.residual
         layout = self.cache.layout(layer_idx) if self.kernels is not None else None
-        native = layout is not None and layout.kind in ("kivi", "tiered")
+        native = layout is not None and layout.kind in ("kivi", "tiered", "turboquant")
         _log_path(native)
         spans = [slice(r.query_start, r.query_start + r.query_len) for r in self.requests]
         out = torch.empty_like(q)
@@ -288,7 +291,7 @@ class KiviAttention:
             if r.query_len == 1:
                 continue
             span = slice(r.query_start, r.query_start + r.query_len)
-            chunk = self._chunk_tiled if self.tiled_prefill else self._chunk_rowwise
+            chunk = self._chunk_tiled if self.tiled_prefill and layout.kind != "turboquant" else self._chunk_rowwise
             chunk(i, layout, residual, tiered, sinks, q[span], dense[i], out[span])
 
     def _chunk_tiled(self, i: int, layout, residual: int, tiered: TieredCodec | None, sinks: torch.Tensor,
@@ -307,7 +310,8 @@ class KiviAttention:
 
     def _chunk_rowwise(self, i: int, layout, residual: int, tiered: TieredCodec | None, sinks: torch.Tensor,
                        q: torch.Tensor, written: Written, out: torch.Tensor) -> None:
-        """Request i's prefill chunk through the decode kernel, every row decoding its whole context."""
+        """Request i's prefill chunk through the decode kernel, its rows sharing one block table (KIVI's kernel:
+        every row decodes its whole context; turboquant's: rows decode each key once, 16 rows at a time)."""
         r, device = self.requests[i], q.device
         ns = range(r.context_len + 1, r.context_len + r.query_len + 1)
         meta = torch.tensor([[self.quantized_len(r.window, n, residual) for n in ns], list(ns),
@@ -341,8 +345,11 @@ class KiviAttention:
     def _kernel(self, layout, out: torch.Tensor, q: torch.Tensor, ring: torch.Tensor, tables: torch.Tensor,
                 meta: torch.Tensor, *tier: torch.Tensor) -> None:
         """meta [4, rows]: quantized lengths, seq lengths, ring slots, ring bases; tier (tiered): band,
-        sinks and tier meta [5, rows] (see kernels/kivi_attention.cpp)."""
+        sinks and tier meta [5, rows] (see kernels/kivi_attention.cpp; turboquant: kernels/tq_attention.cpp)."""
         assert self.kernels is not None
+        if layout.kind == "turboquant":
+            self.kernels.tq_window_attention(out, q, layout.k, layout.v, *layout.aux, ring, tables, *meta, self.scale)
+            return
         args = (out, q, layout.k, layout.v, layout.k_scales, layout.k_zeros, layout.v_scales, layout.v_zeros, ring,
                 tables, *meta)
         if tier:
@@ -398,7 +405,7 @@ class KiviAttention:
 
 @functools.cache
 def _log_path(native: bool) -> None:
-    logger.info("KIVI attention: %s", "native kernel (kivi_attention, blocks read in place)" if native else
+    logger.info("KIVI attention: %s", "native kernel (blocks read in place)" if native else
                 "plain-torch reference path (blocks dequantized per step)")
 
 

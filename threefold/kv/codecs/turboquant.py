@@ -21,11 +21,16 @@ as KIVI packs its 1-bit case):
     norms   [3, num_blocks, block_size, kvh]              fp16    (||k||, ||v||, ||r|| of keys)
 
 A token's codes depend on that token alone, so prefix caching and preemption see plain blocks.
-There is no native kernel yet: attention reads through the reference path (`KVLayout.read`).
+Attention reads the packed blocks in place: kernels/tq_attention.cpp rotates each query once (a fast
+Walsh-Hadamard transform), scores a key as ||k|| <R q, c[codes]> plus the QJL term
+||r|| sqrt(pi / 2) / d <S R q, sign>, and accumulates values rotated, turning them back once per
+query head (tq_decode_attention from kv/native.py: decode rows, prefill chunks, sliding window,
+candidate trees). `read` (the dense reconstruction) stays as the plain-torch reference path.
 `residual` > 0 puts KIVI's full-precision window (kv/window.py) in front: blocks are then encoded
-whole as they leave it, and read through worker/kivi_attention.py. Measured on SmolLM2 (BENCHMARKS.md):
-without a window every token, the current one included, is compressed (+78% perplexity); with
-residual=128 and qjl=0 it beats kivi2 on both bytes and perplexity (+2.5%).
+whole (in torch) as they leave it, and read through worker/kivi_attention.py (tq_window_attention).
+Measured on SmolLM2 (BENCHMARKS.md): without a window every token, the current one included, is
+compressed (+78% perplexity); with residual=128 and qjl=0 it beats kivi2 on both bytes and
+perplexity (+2.5%).
 """
 
 from __future__ import annotations
@@ -99,8 +104,8 @@ class TurboQuantCodec(KVCodec[TurboStorage]):
         self.kbits, self.vbits, self.qjl = spec["kbits"], spec["vbits"], bool(spec["qjl"])
         self.residual = spec["residual"]
         gen = torch.Generator().manual_seed(spec["seed"])
-        signs = torch.randint(0, 2, (num_kv_heads, head_dim), generator=gen).float() * 2 - 1
-        self.rotation = hadamard(head_dim) * signs.unsqueeze(1) / math.sqrt(head_dim)  # [kvh, d, d]: y = x @ R^T
+        self.signs = torch.randint(0, 2, (num_kv_heads, head_dim), generator=gen).float() * 2 - 1  # s [kvh, d]
+        self.rotation = hadamard(head_dim) * self.signs.unsqueeze(1) / math.sqrt(head_dim)  # [kvh, d, d]: y = x @ R^T
         self.projection = torch.randn(num_kv_heads, head_dim, head_dim, generator=gen)  # S [kvh, m = d, d]
         self.k_book = lloyd_max(head_dim, self.kbits)
         self.v_book = lloyd_max(head_dim, self.vbits)
@@ -193,5 +198,8 @@ class TurboQuantCodec(KVCodec[TurboStorage]):
         return k_hat.to(self.compute_dtype), v_hat.to(self.compute_dtype)
 
     def layout(self, storage: TurboStorage) -> KVLayout:
-        return KVLayout("turboquant", storage.k_codes, storage.v_codes,
-                        read=functools.partial(self.read, storage))
+        device = storage.k_codes.device
+        aux = (storage.k_signs, storage.norms, self.signs.to(device), self.projection.to(device),
+               self.k_book[0].to(device), self.v_book[0].to(device))
+        return KVLayout("turboquant", storage.k_codes, storage.v_codes, read=functools.partial(self.read, storage),
+                        aux=aux)
