@@ -34,7 +34,8 @@ class KVLayout:
     """One layer's storage as the native kernel reads it (k/v: [num_blocks, block_size, kvh, width])."""
 
     kind: str
-    """"dense" (k/v are rows in the compute dtype), "int8", "fp8" or "int4"."""
+    """"dense" (k/v are rows in the compute dtype), "int8", "fp8", "int4", "kivi", "tiered", "gear" or
+    "turboquant"."""
     k: torch.Tensor
     v: torch.Tensor
     k_scales: torch.Tensor | None = None
@@ -43,6 +44,8 @@ class KVLayout:
     v_zeros: torch.Tensor | None = None
     lut: torch.Tensor | None = None
     """fp8: the 256 fp32 values of the code bytes (the kernel decodes by table lookup)."""
+    extra: tuple[torch.Tensor, ...] = ()
+    """gear: its outlier values, outlier indices and low-rank factors Q, P (kv/codecs/gear.py's GearStorage)."""
     read: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
     """A codec with no native kernel (turboquant): its reference `read` of a block table, which
     kv/native.py's decode_attention then attends over in plain torch."""

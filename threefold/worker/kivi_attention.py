@@ -49,6 +49,8 @@ _ROWS = 256
 _NONE = torch.empty(0, dtype=torch.uint8)
 """kivi_prefill_attention's band and sinks where a codec has none (KIVI)."""
 """Query rows per SDPA call: bounds the [H, rows, keys] scores of a long first chunk."""
+NATIVE_KINDS = ("kivi", "tiered", "gear")
+"""The layouts the native kernels read in place (turboquant: the reference path only)."""
 KINDS = ("quantized", "middle", "sink", "exact")
 """Where a key of the reference path comes from: its block (2 bits for `tiered`: far), `tiered`'s 4-bit
 band, its sinks, or the window (exact)."""
@@ -141,7 +143,7 @@ class KiviAttention:
         codec = self._codec(layer_idx)
         residual = codec.residual if self.residual is None else self.residual
         layout = self.cache.layout(layer_idx) if self.kernels is not None else None
-        native = layout is not None and layout.kind in ("kivi", "tiered")
+        native = layout is not None and layout.kind in NATIVE_KINDS
         _log_path(native)
         spans = [slice(r.query_start, r.query_start + r.query_len) for r in self.requests]
         out = torch.empty_like(q)
@@ -288,7 +290,8 @@ class KiviAttention:
             if r.query_len == 1:
                 continue
             span = slice(r.query_start, r.query_start + r.query_len)
-            chunk = self._chunk_tiled if self.tiled_prefill else self._chunk_rowwise
+            chunk = (self._chunk_gear if layout.kind == "gear" else
+                     self._chunk_tiled if self.tiled_prefill else self._chunk_rowwise)
             chunk(i, layout, residual, tiered, sinks, q[span], dense[i], out[span])
 
     def _chunk_tiled(self, i: int, layout, residual: int, tiered: TieredCodec | None, sinks: torch.Tensor,
@@ -304,6 +307,24 @@ class KiviAttention:
             out, q, layout.k, layout.v, layout.k_scales, layout.k_zeros, layout.v_scales, layout.v_zeros, written.k,
             written.v, written.lo, r.block_ids, self._prefill_meta(i, residual, tiered), r.context_len, band,
             written.band_lo, sink_rows, tiered is not None, self.scale)
+
+    def _chunk_gear(self, i: int, layout, residual: int, tiered: TieredCodec | None, sinks: torch.Tensor,
+                    q: torch.Tensor, written: Written, out: torch.Tensor) -> None:
+        """Request i's prefill chunk through gear_attention: one table for every row, its exact K/V [lo, hi)
+        read in place (one slot, base lo), key tiles decoded once for tiles of rows."""
+        r = self.requests[i]
+        nq = self._prefill_meta(i, residual, None)[0]
+        ns = torch.arange(r.context_len + 1, r.context_len + r.query_len + 1, device=q.device)
+        meta = torch.stack([nq, ns, torch.zeros_like(ns), torch.full_like(ns, written.lo)])
+        self._gear(layout, out, q, written.k.unsqueeze(0), written.v.unsqueeze(0), r.block_ids.unsqueeze(0), meta)
+
+    def _gear(self, layout, out: torch.Tensor, q: torch.Tensor, exact_k: torch.Tensor, exact_v: torch.Tensor,
+              tables: torch.Tensor, meta: torch.Tensor) -> None:
+        """gear_attention (kernels/gear_attention.cpp): exact_k, exact_v [slots, size, kvh, d]; tables [rows or 1,
+        width]; meta [4, rows]: quantized lengths, seq lengths, exact slots, exact bases."""
+        assert self.kernels is not None
+        self.kernels.gear_attention(out, q, layout.k, layout.v, layout.k_scales, layout.k_zeros, layout.v_scales,
+                                    layout.v_zeros, *layout.extra, exact_k, exact_v, tables, meta, self.scale)
 
     def _chunk_rowwise(self, i: int, layout, residual: int, tiered: TieredCodec | None, sinks: torch.Tensor,
                        q: torch.Tensor, written: Written, out: torch.Tensor) -> None:
@@ -341,8 +362,11 @@ class KiviAttention:
     def _kernel(self, layout, out: torch.Tensor, q: torch.Tensor, ring: torch.Tensor, tables: torch.Tensor,
                 meta: torch.Tensor, *tier: torch.Tensor) -> None:
         """meta [4, rows]: quantized lengths, seq lengths, ring slots, ring bases; tier (tiered): band,
-        sinks and tier meta [5, rows] (see kernels/kivi_attention.cpp)."""
+        sinks and tier meta [5, rows] (see kernels/kivi_attention.cpp). GEAR: gear_attention over the rings."""
         assert self.kernels is not None
+        if layout.kind == "gear":
+            self._gear(layout, out, q, ring[0], ring[1], tables, meta)
+            return
         args = (out, q, layout.k, layout.v, layout.k_scales, layout.k_zeros, layout.v_scales, layout.v_zeros, ring,
                 tables, *meta)
         if tier:
