@@ -1,6 +1,9 @@
-"""The native attention kernels over any codec's layout (threefold/kernels: the dense
-paged_decode_attention, and kv_attention.cpp's kv_decode_attention for int8 / fp8 / int4).
-A codec without a kernel (turboquant) gives its reference read instead, attended in plain torch."""
+"""The native attention kernels over the layout of any codec without a window (threefold/kernels: the
+dense paged_decode_attention, and kv_attention.cpp's kv_decode_attention for int8 / fp8 / int4).
+A codec without a kernel (turboquant) gives its reference read instead, attended in plain torch.
+Windowed codecs (kivi2/kivi4, tiered, GEAR, turboquant with a residual) attend through
+worker/kivi_attention.py instead: kivi_attention / kivi_prefill_attention / gear_attention read their
+blocks in place (turboquant: its plain-torch reference path)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Attention over KIVI blocks plus each request's full-precision window (plain torch reference).
+"""Attention over KIVI (kivi2/kivi4, tiered, GEAR, turboquant) blocks plus each request's full-precision window.
 
 A request with n tokens reads positions < nq(n) from its quantized blocks and the rest from
 its window, where (R = residual, B = block_size, a multiple of KIVI's group G)
@@ -20,12 +20,16 @@ in this very step is encoded before any request reads it.
 Two paths compute the same thing (chosen per step, logged once):
 
     native kernels  kernels/kivi_attention.cpp reads the packed blocks in place (kivi2/kivi4 and
-                    tiered, not GEAR/turboquant): all decode rows of a step in one call over the
-                    rings; kernels/kivi_prefill.cpp takes each prefill chunk in one call over its
+                    tiered): all decode rows of a step in one call over the rings;
+                    kernels/kivi_prefill.cpp takes each prefill chunk in one call over its
                     exact K/V, decoding each key tile once for a tile of rows, and encodes the
-                    blocks a step completes (kivi_encode: the torch quantizer's codes, bit for bit)
+                    blocks a step completes (kivi_encode: the torch quantizer's codes, bit for bit).
+                    GEAR: kernels/gear_attention.cpp, for the decode rows (one call over the rings)
+                    and each prefill chunk (one call over its exact K/V) alike, decodes each block
+                    tile (codes + Q P^T + outliers) to fp32 inside the kernel; its blocks are
+                    encoded in torch (`GearCodec.encode`) as they leave the window
     plain torch     blocks dequantized (`read_blocks`) and one masked SDPA per request: the
-                    reference, for tests, machines without a compiler, GEAR and turboquant
+                    reference, for tests, machines without a compiler, and turboquant
 """
 
 from __future__ import annotations
@@ -422,7 +426,7 @@ class KiviAttention:
 
 @functools.cache
 def _log_path(native: bool) -> None:
-    logger.info("KIVI attention: %s", "native kernel (kivi_attention, blocks read in place)" if native else
+    logger.info("KIVI attention: %s", "native kernels (blocks read in place)" if native else
                 "plain-torch reference path (blocks dequantized per step)")
 
 
