@@ -118,54 +118,119 @@ void accumulate_tile(const float* __restrict p, int64_t m, const float* __restri
   }
 }
 
-// Keys [f0, f1) of one block-head (block blk, whose first key is `first`), side 0 (K) or 1 (V), decoded
-// into rows x [kTile][d] (row t - t0): D, plus Q P^T, then the outliers. pt [r][d] and meta [2][d] are
-// scratch.
-template <int B, int D>
-void decode_block_rows(const GearArgs& a, int side, int64_t blk, int64_t first, int64_t kvh, int64_t t0, int64_t f0,
-                       int64_t f1, float* __restrict x, float* __restrict pt, float* __restrict meta) {
-  const int64_t d = D > 0 ? D : a.head_dim, kvh_n = a.num_kv_heads, width = d * B / 8, bs = a.block_size;
-  const uint8_t* codes = side == 0 ? a.k_codes : a.v_codes;
-  int64_t key_group = -1;  // the key group whose scales / zeros `meta` holds
-  for (int64_t t = f0; t < f1; ++t) {
-    const int64_t off = t - first, index = (blk * bs + off) * kvh_n + kvh;
-    float* row = x + (t - t0) * d;
-    unpack_codes<B, D>(codes + index * width, row, d);
-    if (side == 0) {  // keys: a scale and zero per (key group, channel)
-      if (off / a.key_group != key_group) {
-        key_group = off / a.key_group;
-        const int64_t m = ((blk * (bs / a.key_group) + key_group) * kvh_n + kvh) * d;
-        for (int64_t c = 0; c < d; ++c) meta[c] = static_cast<float>(a.k_scales[m + c]);
-        for (int64_t c = 0; c < d; ++c) meta[d + c] = static_cast<float>(a.k_zeros[m + c]);
-      }
-      for (int64_t c = 0; c < d; ++c) row[c] = row[c] * meta[c] + meta[d + c];
-    } else {  // values: a scale and zero per (token, channel group)
-      const int64_t vg = d / a.value_groups;
-      for (int64_t g = 0; g < a.value_groups; ++g) {
-        const float sc = static_cast<float>(a.v_scales[index * a.value_groups + g]);
-        const float z = static_cast<float>(a.v_zeros[index * a.value_groups + g]);
-        for (int64_t c = g * vg; c < (g + 1) * vg; ++c) row[c] = row[c] * sc + z;
-      }
-    }
-  }
-  const int64_t block_head = (side * a.num_blocks + blk) * kvh_n + kvh;
-  if (a.rank > 0) {  // + Q P^T: P transposed to [r][d] fp32 once, then one axpy per (key, rank)
-    const int64_t r_n = a.rank;
-    const Half* p = a.factor_p + block_head * d * r_n;
-    for (int64_t c = 0; c < d; ++c)
-      for (int64_t i = 0; i < r_n; ++i) pt[i * d + c] = static_cast<float>(p[c * r_n + i]);
-    const Half* q = a.factor_q + block_head * bs * r_n;
-    for (int64_t t = f0; t < f1; ++t)
-      for (int64_t i = 0; i < r_n; ++i)
-        axpy<D>(static_cast<float>(q[(t - first) * r_n + i]), pt + i * d, x + (t - t0) * d, d);
-  }
-  const int64_t count = 2 * a.outliers;  // then each outlier of these keys, exact
+// The outliers of one block-head (block blk, whose first key is `first`; side 0: K, 1: V) among keys
+// [f0, f1): put(t, channel, value) for each.
+template <typename Put>
+void for_outliers(const GearArgs& a, int side, int64_t blk, int64_t first, int64_t kvh, int64_t f0, int64_t f1,
+                  Put put) {
+  const int64_t count = 2 * a.outliers, d = a.head_dim, block_head = (side * a.num_blocks + blk) * a.num_kv_heads + kvh;
   const Half* values = a.outlier_values + block_head * count;
   const int16_t* indices = a.outlier_index + block_head * count;
   for (int64_t e = 0; e < count; ++e) {
     const int64_t pos = indices[e], t = first + pos / d;
-    if (pos >= 0 && t >= f0 && t < f1) x[(t - t0) * d + pos % d] = static_cast<float>(values[e]);
+    if (pos >= 0 && t >= f0 && t < f1) put(t, pos % d, static_cast<float>(values[e]));
   }
+}
+
+// 16 codes of B bits, at `shift` in 16 consecutive bytes, as floats (widened to 32-bit lanes first: a
+// byte-to-float conversion is not a vector instruction, and GCC would convert lane by lane).
+typedef uint8_t Bytes __attribute__((vector_size(16)));
+typedef int32_t Ints __attribute__((vector_size(64)));
+
+template <int B>
+inline Vec byte_codes(const uint8_t* p, int shift) {
+  Bytes x;
+  std::memcpy(&x, p, sizeof(x));
+  const Ints w = __builtin_convertvector(x, Ints);
+  return __builtin_convertvector((w >> shift) & ((1 << B) - 1), Vec);
+}
+
+// Keys [f0, f1) of one block-head decoded straight into kt [d][kTile] (column t - t0): D + Q P^T, then the
+// outliers. Codes are gathered byte-transposed (bytes[i][j] = byte i of key j), then each channel is
+// decoded across the tile's keys in two vectors, its key group's scale and zero and its low-rank term
+// (P's row against Q's columns) fused, and blended into the columns of that key group (the others keep
+// what they hold: a vector store, no narrower stores before the scores' vector loads).
+template <int B, int D>
+void decode_keys(const GearArgs& a, int64_t blk, int64_t first, int64_t kvh, int64_t t0, int64_t f0, int64_t f1,
+                 float* __restrict kt, uint8_t* __restrict bytes, float* __restrict qcols, float* __restrict pf) {
+  static_assert(kTile == 2 * kLanes, "a key tile is two vectors");
+  const int64_t d = D > 0 ? D : a.head_dim, kvh_n = a.num_kv_heads, width = d * B / 8, bs = a.block_size;
+  for (int64_t t = f0; t < f1; ++t) {
+    const uint8_t* src = a.k_codes + ((blk * bs + t - first) * kvh_n + kvh) * width;
+    for (int64_t i = 0; i < width; ++i) bytes[i * kTile + t - t0] = src[i];
+  }
+  const int64_t r_n = a.rank, block_head = blk * kvh_n + kvh;  // K: side 0
+  if (r_n > 0) {
+    const Half* q = a.factor_q + (block_head * bs + f0 - first) * r_n;
+    const Half* p = a.factor_p + block_head * d * r_n;
+    for (int64_t j = f0 - t0; j < f1 - t0; ++j)
+      for (int64_t i = 0; i < r_n; ++i) qcols[i * kTile + j] = static_cast<float>(q[(j + t0 - f0) * r_n + i]);
+    for (int64_t i = 0; i < d * r_n; ++i) pf[i] = static_cast<float>(p[i]);
+  }
+  const Vec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const int64_t part = d / (8 / B);
+  for (int64_t t = f0; t < f1;) {  // one key group at a time: one scale and zero per channel
+    const int64_t off = t - first, end_t = std::min(f1, t - off % a.key_group + a.key_group);
+    const float g0 = static_cast<float>(t - t0), g1 = static_cast<float>(end_t - t0);
+    const int64_t m = ((blk * (bs / a.key_group) + off / a.key_group) * kvh_n + kvh) * d;
+    for (int64_t c = 0; c < d; ++c) {
+      const float sc = static_cast<float>(a.k_scales[m + c]), z = static_cast<float>(a.k_zeros[m + c]);
+      const uint8_t* b = bytes + (c % part) * kTile;
+      const int shift = static_cast<int>(c / part) * B;
+      float* dst = kt + c * kTile;
+      for (int h = 0; h < 2; ++h) {
+        Vec v = byte_codes<B>(b + h * kLanes, shift) * sc + z;
+        for (int64_t i = 0; i < r_n; ++i) v += pf[c * r_n + i] * load(qcols + i * kTile + h * kLanes);
+        const Vec j = lane + static_cast<float>(h * kLanes);
+        store(dst + h * kLanes, (j >= g0 && j < g1) ? v : load(dst + h * kLanes));
+      }
+    }
+    t = end_t;
+  }
+  for_outliers(a, 0, blk, first, kvh, f0, f1, [&](int64_t t, int64_t c, float value) { kt[c * kTile + t - t0] = value; });
+}
+
+// Values [f0, f1) of one block-head decoded into rows vt [kTile][d] (row t - t0): D + Q P^T (P transposed
+// to pt [r][d]), then the outliers. Where 16 channels share their bytes and their value group (head_dim a
+// multiple of 16 parts of 16), a row is built in vectors and stored once.
+template <int B, int D>
+void decode_values(const GearArgs& a, int64_t blk, int64_t first, int64_t kvh, int64_t t0, int64_t f0, int64_t f1,
+                   float* __restrict vt, float* __restrict pt) {
+  const int64_t d = D > 0 ? D : a.head_dim, kvh_n = a.num_kv_heads, width = d * B / 8, bs = a.block_size;
+  const int64_t vg = d / a.value_groups, part = d / (8 / B), r_n = a.rank;
+  const int64_t block_head = (a.num_blocks + blk) * kvh_n + kvh;  // V: side 1
+  const Half* q = a.factor_q + block_head * bs * r_n;
+  if (r_n > 0) {
+    const Half* p = a.factor_p + block_head * d * r_n;
+    for (int64_t c = 0; c < d; ++c)
+      for (int64_t i = 0; i < r_n; ++i) pt[i * d + c] = static_cast<float>(p[c * r_n + i]);
+  }
+  const bool vectors = D > 0 && part % kLanes == 0 && vg % kLanes == 0 && r_n <= 16;
+  for (int64_t t = f0; t < f1; ++t) {
+    const int64_t index = (blk * bs + t - first) * kvh_n + kvh;
+    const uint8_t* codes = a.v_codes + index * width;
+    const Half* vs = a.v_scales + index * a.value_groups;
+    const Half* vz = a.v_zeros + index * a.value_groups;
+    float* row = vt + (t - t0) * d;
+    if (vectors) {
+      float qt[16];
+      for (int64_t i = 0; i < r_n; ++i) qt[i] = static_cast<float>(q[(t - first) * r_n + i]);
+      for (int64_t c = 0; c < d; c += kLanes) {
+        Vec v = byte_codes<B>(codes + c % part, static_cast<int>(c / part) * B) * static_cast<float>(vs[c / vg]) +
+                static_cast<float>(vz[c / vg]);
+        for (int64_t i = 0; i < r_n; ++i) v += qt[i] * load(pt + i * d + c);
+        store(row + c, v);
+      }
+      continue;
+    }
+    unpack_codes<B, D>(codes, row, d);
+    for (int64_t g = 0; g < a.value_groups; ++g) {  // a scale and zero per (token, channel group)
+      const float sc = static_cast<float>(vs[g]), z = static_cast<float>(vz[g]);
+      for (int64_t c = g * vg; c < (g + 1) * vg; ++c) row[c] = row[c] * sc + z;
+    }
+    for (int64_t i = 0; i < r_n; ++i) axpy<D>(static_cast<float>(q[(t - first) * r_n + i]), pt + i * d, row, d);
+  }
+  for_outliers(a, 1, blk, first, kvh, f0, f1, [&](int64_t t, int64_t c, float value) { vt[(t - t0) * d + c] = value; });
 }
 
 template <int B, int D, typename T, typename W>
@@ -187,7 +252,9 @@ void gear_run(const at::Tensor& out, const at::Tensor& q, const W* exact_k, cons
         form_scores(max_m * kTile), masked(max_m * kTile);
     // Per form: keys [d][kTile] and values [kTile][d]; rows: the keys before their transpose. All start
     // finite (zero) and stay so: columns a tile does not fill are never read by any row.
-    std::vector<float> keys(2 * d * kTile), values(2 * kTile * d), rows(kTile * d), pt(a.rank * d), meta(2 * d);
+    std::vector<float> keys(2 * d * kTile), values(2 * kTile * d), rows(kTile * d), pt(a.rank * d),
+        qcols(a.rank * kTile);
+    std::vector<uint8_t> bytes(d * B / 8 * kTile);  // a tile's key codes, byte-transposed
     for (int64_t item = bounds[part_begin]; item < bounds[part_end]; ++item) {
       const int64_t tile = item / kvh_n, kvh = item % kvh_n;
       const int64_t r0 = tile * per_tile, nrows = std::min(per_tile, a.rows - r0);
@@ -215,18 +282,18 @@ void gear_run(const at::Tensor& out, const at::Tensor& q, const W* exact_k, cons
 
       // Keys [f0, f1) of the tile at t0 in form f: kt [d][kTile], vt [kTile][d].
       auto decode = [&](int f, int64_t t0, int64_t f0, int64_t f1, float* kt, float* vt) {
-        if (f == kExact) {
-          for (int64_t t = f0; t < f1; ++t) {
-            const int64_t index = ((slot * a.exact_size + (t - base) % a.exact_size) * kvh_n + kvh) * d;
-            widen<D>(exact_k + index, rows.data() + (t - t0) * d, d);
-            widen<D>(exact_v + index, vt + (t - t0) * d, d);
-          }
-        } else {
+        if (f == kQuantized) {
           const int64_t blk = table[t0 / bs], first = t0 / bs * bs;
-          decode_block_rows<B, D>(a, 0, blk, first, kvh, t0, f0, f1, rows.data(), pt.data(), meta.data());
-          decode_block_rows<B, D>(a, 1, blk, first, kvh, t0, f0, f1, vt, pt.data(), meta.data());
+          decode_keys<B, D>(a, blk, first, kvh, t0, f0, f1, kt, bytes.data(), qcols.data(), pt.data());
+          decode_values<B, D>(a, blk, first, kvh, t0, f0, f1, vt, pt.data());
+          return;
         }
         for (int64_t t = f0; t < f1; ++t) {
+          const int64_t index = ((slot * a.exact_size + (t - base) % a.exact_size) * kvh_n + kvh) * d;
+          widen<D>(exact_k + index, rows.data() + (t - t0) * d, d);
+          widen<D>(exact_v + index, vt + (t - t0) * d, d);
+        }
+        for (int64_t t = f0; t < f1; ++t) {  // exact keys: transposed
           const float* row = rows.data() + (t - t0) * d;
           for (int64_t c = 0; c < d; ++c) kt[c * kTile + (t - t0)] = row[c];
         }
