@@ -92,9 +92,10 @@ def test_engine_gear_with_the_kernel_matches_the_torch_path(make_llm, native_ker
                    enable_prefix_caching=False)
     runner = llm.engine.core.runner
     assert runner.kernels is native_kernels_or_skip
-    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
-    prompts = [" ".join([p] * 3) for p in PROMPTS[:3]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, ignore_eos=True)
+    prompts = [" ".join([p] * 8) for p in PROMPTS[:2]]
     native = llm.generate(prompts, params)
+    assert all(len(o.prompt_token_ids) > 16 + 16 for o in native)  # past R + B: blocks read compressed
     try:
         runner.kernels = None
         plain = llm.generate(prompts, params)
