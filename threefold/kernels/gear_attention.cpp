@@ -25,9 +25,10 @@
 //
 // Work item = (rows reading one table, kv head): a chunk's rows in tiles of kRows, a decode row alone. For
 // each key tile, in each form some row of the item reads it (quantized, exact), the keys are decoded once
-// to fp32, transposed ([d][kTile]), and the values ([kTile][d]); every (row, query head) of the item is
-// scored against them (a broadcast-FMA micro GEMM) and merged into its running softmax (running max, sum
-// and rescaled fp32 accumulator), each row taking only the keys it reads in that form.
+// to fp32, transposed ([d][kTile]: decode_keys writes them so), and the values ([kTile][d]); every (row,
+// query head) of the item is scored against them (a broadcast-FMA micro GEMM) and merged into its running
+// softmax (running max, sum and rescaled fp32 accumulator), each row taking only the keys it reads in that
+// form. score_tile and accumulate_tile are kivi_prefill.cpp's micro GEMMs (a shared header is a follow-up).
 
 #include "decode_attention.h"
 #include "kivi_blocks.h"
@@ -250,7 +251,7 @@ void gear_run(const at::Tensor& out, const at::Tensor& q, const W* exact_k, cons
   at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
     std::vector<float> qf(max_m * d), acc(max_m * d), mx(max_m), sum(max_m), scores(max_m * kTile),
         form_scores(max_m * kTile), masked(max_m * kTile);
-    // Per form: keys [d][kTile] and values [kTile][d]; rows: the keys before their transpose. All start
+    // Per form: keys [d][kTile] and values [kTile][d]; rows: exact keys before their transpose. All start
     // finite (zero) and stay so: columns a tile does not fill are never read by any row.
     std::vector<float> keys(2 * d * kTile), values(2 * kTile * d), rows(kTile * d), pt(a.rank * d),
         qcols(a.rank * kTile);
