@@ -30,6 +30,10 @@ Configurations (--engines, comma-separated):
                                            runs the Q4_1 weights natively (no dequantization)
     vllm:bf16                              vllm.LLM(hf_dir, dtype=bfloat16), prefix caching off
 
+A `+pyloop` suffix on a threefold configuration runs its decode steps through the model's
+Python layer loop instead of the one native call (kernels/decode_layers.cpp): the same
+numbers, to measure what the native loop saves.
+
 A `+passive` suffix (e.g. `threefold:bf16+passive`) runs that configuration with
 OMP_WAIT_POLICY=PASSIVE (OpenMP threads sleep instead of spin-waiting between
 parallel regions, which matters when the 2 cores are shared); --omp-passive
@@ -104,6 +108,7 @@ class _Threefold:
         self.sp = SamplingParams
         self.llm = LLM(spec["gguf"], dtype=spec["dtype"], enable_prefix_caching=False,
                        kv_cache_memory=int(spec["kv_gib"] * (1 << 30)), max_model_len=2048)
+        self.llm.engine.loaded.model.native_decode = not spec["pyloop"]
 
     def run(self, ids: list[int], n: int) -> list[int]:
         params = self.sp(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -219,7 +224,9 @@ def parse_config(text: str) -> dict:
     opt, _, flag = rest.partition("+")
     if name not in WORKERS:
         raise SystemExit(f"unknown engine {name!r} in {text!r}; use {', '.join(WORKERS)}")
-    cfg = {"label": text, "engine": name, "passive": flag == "passive"}
+    if flag not in ("", "passive", "pyloop") or (flag == "pyloop" and name != "threefold"):
+        raise SystemExit(f"{text!r}: the suffix is +passive, or +pyloop for threefold")
+    cfg = {"label": text, "engine": name, "passive": flag == "passive", "pyloop": flag == "pyloop"}
     if name == "llamacpp":
         cfg["threads"] = int(opt.lstrip("t") or 2)
         cfg["dtype"] = "Q4_1"

@@ -220,6 +220,13 @@ def test_head_proposers_get_the_target_features_of_each_real_position(make_llm, 
     monkeypatch.setitem(proposer.PROPOSERS, "ngram", "test_spec_engine:HiddenRecordingNgram")
     monkeypatch.setattr(HiddenRecordingNgram, "calls", [])
     monkeypatch.setattr(HiddenRecordingNgram, "wrong", wrong)
+    if wrong:  # the controller's prices pinned, not measured: k must reach 0 (and probes) whatever the load
+        from threefold.spec import adaptive, runner
+
+        monkeypatch.setattr(runner, "profile_step_cost", lambda forward: adaptive.StepCostModel({1: 0.01, 64: 0.05}))
+        monkeypatch.setattr(runner, "profile_draft_cost", lambda proposer: 0.002)
+        monkeypatch.setattr(adaptive.AdaptiveController, "observe_step", lambda self, *args, **kwargs: None)
+        monkeypatch.setattr(adaptive.AdaptiveController, "observe_draft_cost", lambda self, *args, **kwargs: None)
     config = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": wrong}
     llm = make_llm(speculative_config=config, max_num_batched_tokens=16, enable_prefix_caching=False)
     llm.generate(REPEATING, GREEDY.clone(max_tokens=48 if wrong else 24))

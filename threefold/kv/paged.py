@@ -20,6 +20,10 @@ class PagedKVCache:
         self.block_size = block_size
         self.layers = [c.allocate(num_blocks, block_size, device) for c in self.codecs]
         self.layouts = [c.layout(storage) for c, storage in zip(self.codecs, self.layers, strict=True)]
+        dense = all(layout.kind == "dense" and layout.read is None for layout in self.layouts)
+        self.dense_kv = ([lay.k for lay in self.layouts], [lay.v for lay in self.layouts]) if dense else None
+        """Every layer's K and V blocks [num_blocks, block_size, kvh, d] where no layer compresses
+        (the native decode loop writes and reads them), else None."""
 
     @staticmethod
     def bytes_per_block(codec: KVCodec | list[KVCodec], num_layers: int, block_size: int) -> int:

@@ -28,7 +28,29 @@ v [T, num_kv_heads, head_dim]) -> [T, num_heads, head_dim].
 
 q and k are RoPE'd (and q/k-normed for qwen3). q, k and v may be strided
 views into one buffer, not contiguous: use .reshape or .contiguous, not .view.
+
+An AttentionFn may also carry `decode_step` (a `DecodeStep`, or None): where every row of
+the step decodes over a dense paged cache, the model then runs all its layers in one
+native call (kernels/decode_layers.cpp) instead of calling it layer by layer.
 """
+
+
+@dataclass
+class DecodeStep:
+    """What kernels.decode_layers needs of a step's attention: the per-layer dense caches
+    [num_blocks, block_size, num_kv_heads, head_dim], where each token's K/V goes, and the
+    decode groups as paged_decode_attention takes them (empty tensors: no tree mask)."""
+
+    k_caches: list[Tensor]
+    v_caches: list[Tensor]
+    slot_mapping: Tensor
+    group_starts: list[int]
+    group_tables: list[Tensor]
+    group_lens: list[Tensor]
+    group_tree_starts: list[Tensor]
+    group_tree_bits: list[Tensor]
+    scale: float
+    window: int
 
 
 class Linear(nn.Linear):
@@ -288,6 +310,10 @@ class CausalLM(nn.Module):
         self.kernels: ModuleType | None = None
         self.rope_cos: Tensor | None = None
         self.rope_sin: Tensor | None = None
+        self.native_decode = True
+        """Run decode-only steps through kernels.decode_layers where they can (False: always
+        the Python loop; the two give identical results, this is for measuring)."""
+        self._layer_weights: tuple[list[Tensor | None], list[int]] | None = None
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head (tie_word_embeddings)."""
@@ -326,6 +352,27 @@ class CausalLM(nn.Module):
                 runs = stream is not None and has_few_row_linear(kernels, self.config.dtype, stream.dtype)
                 module.kernels = kernels if runs else None
                 module.max_rows = few_rows_max(kernels) if runs else 0
+        self._layer_weights = self._native_layer_weights()
+
+    def _native_layer_weights(self) -> tuple[list[Tensor | None], list[int]] | None:
+        """kernels.decode_layers' weights and few-row limits, in its order (see that file), or None
+        where it cannot run this model: no kernels, q/k-norm layers, a dtype the norm kernel lacks."""
+        kernels = self.kernels
+        if (kernels is None or not hasattr(kernels, "decode_layers") or self.config.qk_norm
+                or self.config.dtype not in (torch.float32, torch.bfloat16)):
+            return None
+        weights: list[Tensor | None] = []
+        max_rows: list[int] = []
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            linears: tuple[Linear, ...] = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                           layer.mlp.down_proj)
+            for linear in linears:
+                weights += [linear.stream_weight if linear.kernels is not None else None, linear.packed,
+                            linear.weight, linear.bias]
+                max_rows.append(linear.max_rows)
+        return weights, max_rows
 
     def init_rope(self, max_len: int) -> None:
         """Precompute cos/sin for positions [0, max_len) on the weights' device."""
@@ -335,6 +382,15 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionFn) -> Tensor:
         """input_ids, positions: [T] long, a flattened batch. Returns hidden [T, hidden] after the final norm."""
         assert self.rope_cos is not None and self.rope_sin is not None, "call init_rope(max_len) after loading weights"
+        step: DecodeStep | None = getattr(attention, "decode_step", None)
+        if step is not None and self._layer_weights is not None and self.native_decode:
+            assert self.kernels is not None
+            config = self.config
+            return self.kernels.decode_layers(
+                self.embed_tokens(input_ids), positions, self.rope_cos, self.rope_sin, *self._layer_weights,
+                self.norm.weight, config.rms_norm_eps, step.k_caches, step.v_caches, step.slot_mapping,
+                step.group_starts, step.group_tables, step.group_lens, step.group_tree_starts, step.group_tree_bits,
+                config.num_heads, config.num_kv_heads, step.scale, step.window)
         rotary = Rotary(positions, self.rope_cos, self.rope_sin, self.kernels)
         hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer in self.layers:

@@ -31,8 +31,10 @@ import torch.nn.functional as F
 
 from threefold.kv.native import decode_attention
 from threefold.kv.paged import PagedKVCache
+from threefold.model.llama import DecodeStep
 from threefold.worker.tree_verify import TreeGroup
 
+_EMPTY_LONG = torch.empty(0, dtype=torch.long)
 IN_PLACE_CHUNK = 16
 """A chunk with context of at most this many tokens runs as decode rows over a dense cache too: the
 gather, mask and SDPA call of the torch path cost a few decodes' worth per layer (an offline prompt
@@ -91,6 +93,20 @@ class PagedAttention:
         self.scale = scale
         self.kernels = kernels
         self.decode_masks = [None if group.mask is None else group.mask.to(dtype) for group in meta.decode_groups]
+        self.decode_step = self._decode_step(dtype) if kernels is not None else None
+        """Where every row of the step decodes over uncompressed caches: the model runs its layers
+        in one native call (model.llama.DecodeStep), which computes exactly what this object does."""
+
+    def _decode_step(self, dtype: torch.dtype) -> DecodeStep | None:
+        meta, dense = self.meta, self.cache.dense_kv
+        if meta.prefills or meta.tree_groups or not meta.decode_groups or dense is None or dense[0][0].dtype != dtype:
+            return None
+        groups = meta.decode_groups
+        return DecodeStep(dense[0], dense[1], meta.slot_mapping, [g.query_start for g in groups],
+                          [g.block_table for g in groups], [g.seq_lens for g in groups],
+                          [_EMPTY_LONG if g.tree_starts is None else g.tree_starts for g in groups],
+                          [_EMPTY_LONG if g.tree_bits is None else g.tree_bits for g in groups],
+                          self.scale, meta.sliding_window or 0)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]
