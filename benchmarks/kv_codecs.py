@@ -9,9 +9,9 @@ contexts of >= 1024 tokens, scored position by position with prefill chunks of 6
 so every chunk after the first reads its context back from the compressed cache; ppl, KL
 against `auto` and top-1 agreement over all positions. Fidelity: the model's real K/V of the
 first context round-tripped through each codec, attention recomputed (cosines, top-1 key).
-Speed: one layer's decode attention (native kernels, KIVI's and TurboQuant's too; GEAR: its
-plain-torch path) per token at 1k and 4k contexts (--speed-lengths), batch 4, against `auto`
-(TurboQuant without a window also through its plain-torch reference path: `reference_*`).
+Speed: one layer's decode attention (native kernels, KIVI's, GEAR's and TurboQuant's too) per token
+at 1k and 4k contexts (--speed-lengths), batch 4, against `auto` (TurboQuant without a window also
+through its plain-torch reference path: `reference_*`).
 Prefill (--prefill, under the lock): one prompt of --prompt-tokens concatenated test-split conversations
 in one chunk, timed end to end (LLM.generate, 1 output token; best and median of --repeats), per codec,
 and for KIVI / tiered also through the previous path (blocks encoded in torch, chunks through the decode
@@ -203,11 +203,11 @@ def speed_rows(config, codecs: list[str], dtype: torch.dtype, lengths=(1024, 409
 def kivi_decode_time(codec, config, length: int, batch: int, dtype: torch.dtype,
                      repeats: int) -> tuple[float, float]:
     """One layer's decode attention over KIVI blocks + windows (the native kernel where it runs: kivi2,
-    kivi4, tiered, turboquant; the context is written, not attended): the kernel call alone, like the
+    kivi4, tiered, gear, turboquant; the context is written, not attended): the kernel call alone, like the
     dense rows, and the whole KiviAttention step (the ring writes and per-step Python around it)."""
     from threefold.kv.paged import PagedKVCache
     from threefold.kv.window import ArenaShape, WindowArena, window_dtype
-    from threefold.worker.kivi_attention import KiviAttention, KiviRequest
+    from threefold.worker.kivi_attention import NATIVE_KINDS, KiviAttention, KiviRequest
 
     block_size, kvh, d = getattr(codec, "group", 16), config.num_kv_heads, config.head_dim  # turboquant: 16
     per_seq = length // block_size + 1
@@ -230,7 +230,7 @@ def kivi_decode_time(codec, config, length: int, batch: int, dtype: torch.dtype,
     step(0, q, k, v)
     layout, out = cache.layout(0), torch.empty_like(q)
     whole = best_time(lambda: step(0, q, k, v), repeats)  # the step rewrites one position: the same work each call
-    if step.kernels is None or layout.kind not in ("kivi", "tiered", "turboquant"):  # GEAR: the plain-torch path
+    if step.kernels is None or layout.kind not in NATIVE_KINDS:
         return whole, whole
     _, tables, meta, *tier = step._decode_args(codec.residual, codec if layout.kind == "tiered" else None)
     extra = (arena.band[0], arena.sinks[0], *tier) if tier else ()

@@ -35,7 +35,7 @@ class KVLayout:
 
     kind: str
     """"dense" (k/v are rows in the compute dtype), "int8", "fp8", "int4", or a kind with its own kernel
-    ("kivi", "tiered", "turboquant")."""
+    ("kivi", "tiered", "gear", "turboquant")."""
     k: torch.Tensor
     v: torch.Tensor
     k_scales: torch.Tensor | None = None
@@ -48,8 +48,9 @@ class KVLayout:
     """The codec's reference `read` of a block table, where kv/native.py's decode_attention attends in
     plain torch (a codec without a native kernel; turboquant keeps it for the reference path)."""
     aux: tuple[torch.Tensor, ...] = ()
-    """The rest of the storage a kind's kernel reads ("turboquant": k_signs, norms, rotation signs,
-    QJL projection, key and value codebooks; see kernels/tq_attention.cpp)."""
+    """The rest of the storage a kind's kernel reads ("gear": outlier values, outlier indices and the
+    low-rank factors Q, P, see kv/codecs/gear.py's GearStorage; "turboquant": k_signs, norms, rotation
+    signs, QJL projection, key and value codebooks, see kernels/tq_attention.cpp)."""
 
 
 class KVCodec(ABC, Generic[StorageT]):

@@ -1,8 +1,11 @@
-"""The native attention kernels over any codec's layout (threefold/kernels: the dense
-paged_decode_attention, kv_attention.cpp's kv_decode_attention for int8 / fp8 / int4, and
+"""The native attention kernels over the layout of any codec without a window (threefold/kernels: the
+dense paged_decode_attention, kv_attention.cpp's kv_decode_attention for int8 / fp8 / int4, and
 tq_attention.cpp's tq_decode_attention for turboquant, its packed blocks read in place).
 A codec without a kernel gives its reference read instead, attended in plain torch
-(`_reference_decode`, which turboquant's tests compare its kernel against)."""
+(`_reference_decode`, which turboquant's tests compare its kernel against).
+Windowed codecs (kivi2/kivi4, tiered, GEAR, turboquant with a residual) attend through
+worker/kivi_attention.py instead: kivi_attention / kivi_prefill_attention / gear_attention /
+tq_window_attention read their blocks in place."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Attention over KIVI blocks plus each request's full-precision window (plain torch reference).
+"""Attention over KIVI (kivi2/kivi4, tiered, GEAR, turboquant) blocks plus each request's full-precision window.
 
 A request with n tokens reads positions < nq(n) from its quantized blocks and the rest from
 its window, where (R = residual, B = block_size, a multiple of KIVI's group G)
@@ -20,15 +20,19 @@ in this very step is encoded before any request reads it.
 Two paths compute the same thing (chosen per step, logged once):
 
     native kernels  kernels/kivi_attention.cpp reads the packed blocks in place (kivi2/kivi4 and
-                    tiered, not GEAR): all decode rows of a step in one call over the rings;
+                    tiered): all decode rows of a step in one call over the rings;
                     kernels/kivi_prefill.cpp takes each prefill chunk in one call over its
                     exact K/V, decoding each key tile once for a tile of rows, and encodes the
                     blocks a step completes (kivi_encode: the torch quantizer's codes, bit for bit).
+                    GEAR: kernels/gear_attention.cpp, for the decode rows (one call over the rings)
+                    and each prefill chunk (one call over its exact K/V) alike, decodes each block
+                    tile (codes + Q P^T + outliers) to fp32 inside the kernel; its blocks are
+                    encoded in torch (`GearCodec.encode`) as they leave the window.
                     turboquant: kernels/tq_attention.cpp's tq_window_attention, the decode rows in
                     one call over the rings and each chunk in one call over its exact K/V (its rows
                     share every key they decode, 16 rows at a time); blocks encoded in torch
     plain torch     blocks dequantized (`read_blocks`) and one masked SDPA per request: the
-                    reference, for tests, machines without a compiler, and GEAR
+                    reference, for tests and machines without a compiler
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ _ROWS = 256
 _NONE = torch.empty(0, dtype=torch.uint8)
 """kivi_prefill_attention's band and sinks where a codec has none (KIVI)."""
 """Query rows per SDPA call: bounds the [H, rows, keys] scores of a long first chunk."""
+NATIVE_KINDS = ("kivi", "tiered", "gear", "turboquant")
+"""The layouts the native kernels read in place."""
 KINDS = ("quantized", "middle", "sink", "exact")
 """Where a key of the reference path comes from: its block (2 bits for `tiered`: far), `tiered`'s 4-bit
 band, its sinks, or the window (exact)."""
@@ -144,7 +150,7 @@ class KiviAttention:
         codec = self._codec(layer_idx)
         residual = codec.residual if self.residual is None else self.residual
         layout = self.cache.layout(layer_idx) if self.kernels is not None else None
-        native = layout is not None and layout.kind in ("kivi", "tiered", "turboquant")
+        native = layout is not None and layout.kind in NATIVE_KINDS
         _log_path(native)
         spans = [slice(r.query_start, r.query_start + r.query_len) for r in self.requests]
         out = torch.empty_like(q)
@@ -291,7 +297,8 @@ class KiviAttention:
             if r.query_len == 1:
                 continue
             span = slice(r.query_start, r.query_start + r.query_len)
-            chunk = self._chunk_tiled if self.tiled_prefill and layout.kind != "turboquant" else self._chunk_rowwise
+            chunk = (self._chunk_gear if layout.kind == "gear" else
+                     self._chunk_tiled if self.tiled_prefill and layout.kind != "turboquant" else self._chunk_rowwise)
             chunk(i, layout, residual, tiered, sinks, q[span], dense[i], out[span])
 
     def _chunk_tiled(self, i: int, layout, residual: int, tiered: TieredCodec | None, sinks: torch.Tensor,
@@ -307,6 +314,24 @@ class KiviAttention:
             out, q, layout.k, layout.v, layout.k_scales, layout.k_zeros, layout.v_scales, layout.v_zeros, written.k,
             written.v, written.lo, r.block_ids, self._prefill_meta(i, residual, tiered), r.context_len, band,
             written.band_lo, sink_rows, tiered is not None, self.scale)
+
+    def _chunk_gear(self, i: int, layout, residual: int, tiered: TieredCodec | None, sinks: torch.Tensor,
+                    q: torch.Tensor, written: Written, out: torch.Tensor) -> None:
+        """Request i's prefill chunk through gear_attention: one table for every row, its exact K/V [lo, hi)
+        read in place (one slot, base lo), key tiles decoded once for tiles of rows."""
+        r = self.requests[i]
+        nq = self._prefill_meta(i, residual, None)[0]
+        ns = torch.arange(r.context_len + 1, r.context_len + r.query_len + 1, device=q.device)
+        meta = torch.stack([nq, ns, torch.zeros_like(ns), torch.full_like(ns, written.lo)])
+        self._gear(layout, out, q, written.k.unsqueeze(0), written.v.unsqueeze(0), r.block_ids.unsqueeze(0), meta)
+
+    def _gear(self, layout, out: torch.Tensor, q: torch.Tensor, exact_k: torch.Tensor, exact_v: torch.Tensor,
+              tables: torch.Tensor, meta: torch.Tensor) -> None:
+        """gear_attention (kernels/gear_attention.cpp): exact_k, exact_v [slots, size, kvh, d]; tables [rows or 1,
+        width]; meta [4, rows]: quantized lengths, seq lengths, exact slots, exact bases."""
+        assert self.kernels is not None
+        self.kernels.gear_attention(out, q, layout.k, layout.v, layout.k_scales, layout.k_zeros, layout.v_scales,
+                                    layout.v_zeros, *layout.aux, exact_k, exact_v, tables, meta, self.scale)
 
     def _chunk_rowwise(self, i: int, layout, residual: int, tiered: TieredCodec | None, sinks: torch.Tensor,
                        q: torch.Tensor, written: Written, out: torch.Tensor) -> None:
@@ -345,8 +370,12 @@ class KiviAttention:
     def _kernel(self, layout, out: torch.Tensor, q: torch.Tensor, ring: torch.Tensor, tables: torch.Tensor,
                 meta: torch.Tensor, *tier: torch.Tensor) -> None:
         """meta [4, rows]: quantized lengths, seq lengths, ring slots, ring bases; tier (tiered): band,
-        sinks and tier meta [5, rows] (see kernels/kivi_attention.cpp; turboquant: kernels/tq_attention.cpp)."""
+        sinks and tier meta [5, rows] (see kernels/kivi_attention.cpp). GEAR: gear_attention over the rings;
+        turboquant: kernels/tq_attention.cpp."""
         assert self.kernels is not None
+        if layout.kind == "gear":
+            self._gear(layout, out, q, ring[0], ring[1], tables, meta)
+            return
         if layout.kind == "turboquant":
             self.kernels.tq_window_attention(out, q, layout.k, layout.v, *layout.aux, ring, tables, *meta, self.scale)
             return
@@ -405,7 +434,7 @@ class KiviAttention:
 
 @functools.cache
 def _log_path(native: bool) -> None:
-    logger.info("KIVI attention: %s", "native kernel (blocks read in place)" if native else
+    logger.info("KIVI attention: %s", "native kernels (blocks read in place)" if native else
                 "plain-torch reference path (blocks dequantized per step)")
 
 

@@ -141,6 +141,8 @@ class GearCodec(KiviCodec):
         return storage.outlier_values, storage.outlier_index, storage.factor_q, storage.factor_p
 
     def layout(self, storage: KiviStorage) -> KVLayout:
+        assert isinstance(storage, GearStorage)
         layout = super().layout(storage)
-        layout.kind = "gear"  # no native kernel: attention reads through KiviAttention's reference path
+        layout.kind = "gear"  # kernels/gear_attention.cpp reads it in place
+        layout.aux = self._extra(storage)
         return layout
