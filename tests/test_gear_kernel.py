@@ -51,7 +51,7 @@ def test_dropping_a_term_is_caught(kernels, monkeypatch, term):  # noqa: F811
             factor_q = torch.zeros_like(factor_q)
         else:
             values, index = values[..., :0].contiguous(), index[..., :0].contiguous()
-        right(self, type(layout)(**{**vars(layout), "extra": (values, index, factor_q, factor_p)}), *args)
+        right(self, type(layout)(**{**vars(layout), "aux": (values, index, factor_q, factor_p)}), *args)
 
     monkeypatch.setattr(KiviAttention, "_gear", dropped)
     twin = Twin("gear:bits=4,group=16,residual=16,rank=2,outliers=20", 9, 3, 64, 16, torch.float32, kernels, 2)
