@@ -282,9 +282,10 @@ def test_requests_arrive_on_the_poisson_schedule(fake):
         schedule.append(schedule[-1] + gap)
     arrivals = [s.arrival - fake.seen[0].arrival for s in fake.seen]
     assert len(arrivals) == n
-    # Tolerances allow a loaded 2-core machine; a wrong rate would miss by ~schedule[-1] / 2 = 0.6 s.
+    # Tolerances allow a loaded 2-core machine, where one stall of the event loop delays the few
+    # arrivals due during it (CI once saw 0.19 s); a wrong rate would miss by ~schedule[-1] / 2 = 0.6 s.
     errors = [abs(a - b) for a, b in zip(arrivals, schedule, strict=True)]
-    assert max(errors) < 0.15 and sum(errors) / n < 0.03
+    assert max(errors) < 0.35 and sorted(errors)[n // 2] < 0.03
     assert arrivals[-1] == pytest.approx(schedule[-1], abs=0.1)
 
 
