@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
 
+    Path(args.step_log).parent.mkdir(parents=True, exist_ok=True)
     llm = LLM(model=args.model, max_model_len=2048, max_prefill_tokens=args.max_prefill_tokens,
               step_log=args.step_log)
     requests = load_sharegpt(args.num_prompts, llm.get_tokenizer(), LengthLimits(max_output_len=128), seed=args.seed)
