@@ -41,9 +41,9 @@ def assert_matches(got, reference, min_prefix: int = 13) -> None:
             continue
         i = next(i for i, (a, b) in enumerate(zip(g.token_ids, r.token_ids, strict=True)) if a != b)
         a, b = g.token_ids[i], r.token_ids[i]
-        swapped = a in r.logprobs[i] and r.logprobs[i][a].rank == 2 and b in g.logprobs[i] and g.logprobs[i][b].rank == 2
-        assert swapped and r.logprobs[i][b].logprob - r.logprobs[i][a].logprob <= NEAR_TIE, \
-            (i, g.token_ids, r.token_ids, r.logprobs[i], g.logprobs[i])
+        ours, theirs = g.logprobs[i], r.logprobs[i]
+        swapped = a in theirs and theirs[a].rank == 2 and b in ours and ours[b].rank == 2
+        assert swapped and theirs[b].logprob - theirs[a].logprob <= NEAR_TIE, (i, g.token_ids, r.token_ids, ours)
 
 
 @pytest.fixture(scope="module", params=CODECS)
