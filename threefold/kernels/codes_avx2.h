@@ -115,6 +115,66 @@ template <int D, bool EXACT, int PER>  // PER: 16-channel vectors a channel grou
 inline void values_block_per(const __m256i (*codes)[D / 16], int count, const float* p, int64_t p_stride,
                              const float* scale, const float* zero, int64_t group, float* vacc, float* zsum) {
   constexpr int K = D / 16, groups = K / PER;
+#if defined(__AVX512VL__)
+  // 32 vector registers: a 16-channel slice of every row pair stays in registers for all the heads (the
+  // weights of every head first), instead of being reloaded head by head (the loop below, for 16).
+  constexpr int kHeads = 16;
+  const int pairs = (count + 1) / 2;
+  alignas(32) int32_t weights[kHeads][groups][EXACT ? 2 : 1][kRows / 2];  // rows 2 jp (low 16 bits), 2 jp + 1
+  float bs[kHeads][groups];
+  for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
+    const int heads = static_cast<int>(std::min<int64_t>(kHeads, group - g0));
+    for (int h = 0; h < heads; ++h) {
+      const float* pg = p + (g0 + h) * p_stride;
+      for (int c = 0; c < groups; ++c) {
+        alignas(32) float w[kRows] = {};
+        float z = 0.f;
+        for (int j = 0; j < count; ++j) {
+          w[j] = pg[j] * scale[c * kRows + j];
+          z += pg[j] * zero[c * kRows + j];
+        }
+        zsum[(g0 + h) * groups + c] += z;
+        alignas(32) int16_t w16[2][kRows];
+        bs[h][c] = to_int16<kRows>(w, w16[0], EXACT ? w16[1] : nullptr);
+        std::memcpy(weights[h][c], w16, sizeof(weights[h][c]));
+      }
+    }
+    for (int k = 0; k < K; ++k) {
+      __m256i lo[kRows / 2], hi[kRows / 2];
+      for (int jp = 0; jp < pairs; ++jp) {
+        const __m256i odd = 2 * jp + 1 < count ? codes[2 * jp + 1][k] : _mm256_setzero_si256();  // past count: 0
+        lo[jp] = _mm256_unpacklo_epi16(codes[2 * jp][k], odd);
+        hi[jp] = _mm256_unpackhi_epi16(codes[2 * jp][k], odd);
+      }
+      const int c = k / PER;
+      for (int h = 0; h < heads; ++h) {
+        __m256i s[2][EXACT ? 4 : 2];  // [even / odd pair][lo, hi (, their low rows)]: two chains each
+        for (auto& half : s)
+          for (auto& v : half) v = _mm256_setzero_si256();
+        for (int jp = 0; jp < pairs; ++jp) {
+          auto& acc = s[jp & 1];
+          const __m256i wv = _mm256_set1_epi32(weights[h][c][0][jp]);
+          acc[0] = dot_pairs(acc[0], lo[jp], wv);
+          acc[1] = dot_pairs(acc[1], hi[jp], wv);
+          if constexpr (EXACT) {
+            const __m256i wl = _mm256_set1_epi32(weights[h][c][EXACT ? 1 : 0][jp]);
+            acc[2] = dot_pairs(acc[2], lo[jp], wl);
+            acc[3] = dot_pairs(acc[3], hi[jp], wl);
+          }
+        }
+        const __m256 bv = _mm256_set1_ps(bs[h][c]);
+        for (int half = 0; half < 2; ++half) {
+          __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(s[0][half], s[1][half]));
+          if constexpr (EXACT)
+            f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s[0][2 + half], s[1][2 + half])),
+                                _mm256_set1_ps(1.f / 32768.f), f);
+          float* dst = vacc + (g0 + h) * D + 16 * k + 8 * half;
+          _mm256_storeu_ps(dst, _mm256_fmadd_ps(f, bv, _mm256_loadu_ps(dst)));
+        }
+      }
+    }
+  }
+#else
   __m256i lo[kRows / 2][K], hi[kRows / 2][K];
   const int pairs = (count + 1) / 2;
   for (int jp = 0; jp < pairs; ++jp)
@@ -159,6 +219,7 @@ inline void values_block_per(const __m256i (*codes)[D / 16], int count, const fl
       }
     }
   }
+#endif
 }
 
 // values_block_per for a channel group of vg channels (16, 32, 64 or 128; at most D).
