@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from threefold.env import Env
-from threefold.kernels import cpu_kernels
+from threefold.kernels import available_targets, build_kernels, cpu_kernels
 from threefold.kv.native import decode_attention
 from threefold.kv.paged import PagedKVCache
 from threefold.kv.registry import make_codec
@@ -26,6 +26,14 @@ def kernels():
     module = cpu_kernels()
     assert module is not None, "the native kernels failed to build"
     return module
+
+
+@pytest.fixture(scope="module", params=available_targets() or ["native"])
+def builds(request):
+    """Each build this CPU can run (native, x86-64-v3, x86-64-v2): every vector path of the kernel."""
+    if sys.platform != "linux":
+        pytest.skip("native kernels are built on Linux")
+    return build_kernels(request.param)
 
 
 def _reference(codec, storage, q, tables, lens, scale, window):
@@ -67,7 +75,7 @@ def _tolerance(dtype):
     (8, 2, 64, 16, 37),    # sliding window: rows start mid-block
     (17, 1, 64, 32, 0),    # a large group, blocks of 32
 ])
-def test_kv_decode_attention_matches_reference(kernels, spec, dtype, heads, kv_heads, head_dim, block_size, window):
+def test_kv_decode_attention_matches_reference(builds, spec, dtype, heads, kv_heads, head_dim, block_size, window):
     if spec == "int4" and head_dim % 32:
         spec = "int4:group=16"
     gen = torch.Generator().manual_seed(0)
@@ -80,7 +88,7 @@ def test_kv_decode_attention_matches_reference(kernels, spec, dtype, heads, kv_h
     q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
     out = torch.empty_like(q)
     scale = head_dim ** -0.5
-    decode_attention(kernels, out, q, codec.layout(storage), tables.contiguous(), lens, scale, window)
+    decode_attention(builds, out, q, codec.layout(storage), tables.contiguous(), lens, scale, window)
     torch.testing.assert_close(out, _reference(codec, storage, q, tables, lens, scale, window), **_tolerance(dtype))
 
 

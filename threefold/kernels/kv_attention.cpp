@@ -158,33 +158,36 @@ void run_int4_codes(const at::Tensor& out, const at::Tensor& q, const Side& ks, 
         }
       }
       scores.resize(a.group * n);
-      for (int64_t t0 = 0; t0 < n; t0 += 8) {  // keys, 8 at a time: per head and group, 8 dots reduced together
+      for (int64_t t0 = 0; t0 < n; t0 += 8) {  // keys, 8 at a time: per head, 8 dots (groups scaled in lanes) reduced together
         const int count = static_cast<int>(std::min<int64_t>(8, n - t0));
-        __m256 part[kMaxHeads][groups][8];
-        alignas(32) float sc[groups][8] = {}, zz[groups][8] = {};  // the 8 keys' scales, zero points
+        __m256 part[kMaxHeads][8];  // per head and key: sum_c s_c (q16_c . code_c) in 8 lanes
+        alignas(32) float zz[groups][8] = {};  // the 8 keys' zero points
         for (int j = 0; j < count; ++j) {
           const int64_t index = rows[t0 + j];
           const fast::Codes<4, D> c(ks.codes + index * ks.width);
+          __m256 sc[groups];
           for (int cg = 0; cg < groups; ++cg) {
-            sc[cg][j] = ks.scales[index * groups + cg];
+            sc[cg] = _mm256_set1_ps(ks.scales[index * groups + cg]);
             zz[cg][j] = ks.zeros[index * groups + cg];
           }
-          for (int64_t g = 0; g < a.group; ++g)
+          for (int64_t g = 0; g < a.group; ++g) {
+            __m256 sum = _mm256_setzero_ps();
             for (int cg = 0; cg < groups; ++cg) {
-              part[g][cg][j] = _mm256_cvtepi32_ps(c.dot(q16.data() + g * D, cg * PER, (cg + 1) * PER));
+              __m256 dot = _mm256_cvtepi32_ps(c.dot(q16.data() + g * D, cg * PER, (cg + 1) * PER));
               if constexpr (kExact)
-                part[g][cg][j] = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(c.dot(q16.data() + gd + g * D, cg * PER, (cg + 1) * PER)),
-                    _mm256_set1_ps(1.f / 32768.f), part[g][cg][j]);
+                dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c.dot(q16.data() + gd + g * D, cg * PER, (cg + 1) * PER)),
+                                      _mm256_set1_ps(1.f / 32768.f), dot);
+              sum = _mm256_fmadd_ps(dot, sc[cg], sum);
             }
+            part[g][j] = sum;
+          }
         }
         for (int64_t g = 0; g < a.group; ++g) {
-          __m256 dots = _mm256_setzero_ps(), zeros = _mm256_setzero_ps();
-          for (int cg = 0; cg < groups; ++cg) {
-            for (int j = count; j < 8; ++j) part[g][cg][j] = _mm256_setzero_ps();
-            dots = _mm256_fmadd_ps(threefold::reduce8(part[g][cg]), _mm256_load_ps(sc[cg]), dots);
+          for (int j = count; j < 8; ++j) part[g][j] = _mm256_setzero_ps();
+          const __m256 dots = threefold::reduce8(part[g]);
+          __m256 zeros = _mm256_setzero_ps();
+          for (int cg = 0; cg < groups; ++cg)
             zeros = _mm256_fmadd_ps(_mm256_load_ps(zz[cg]), _mm256_set1_ps(qsum[g * groups + cg]), zeros);
-          }
           alignas(32) float s[8];
           _mm256_store_ps(s, _mm256_fmadd_ps(dots, _mm256_set1_ps(qa[g]), zeros));
           std::copy(s, s + count, scores.data() + g * n + t0);
