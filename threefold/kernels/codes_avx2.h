@@ -68,6 +68,25 @@ struct Codes {
   }
 };
 
+// int8 rows (kv/codecs/scaled.py: one signed byte a channel, in channel order) as 16-bit lanes, with
+// Codes' interface: |code| <= 128 against |q16| <= 32767 keeps every int32 lane far from overflow.
+template <int D>
+struct Int8Codes {
+  __m256i v[D / 16];
+
+  explicit Int8Codes(const uint8_t* row) { unpack(row, v); }
+  static void unpack(const uint8_t* row, __m256i* out) {
+    for (int k = 0; k < D / 16; ++k)
+      out[k] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * k)));
+  }
+  __m256i dot(const int16_t* q16, int from = 0, int to = D / 16) const {
+    __m256i acc = _mm256_setzero_si256();
+    for (int k = from; k < to; ++k)
+      acc = dot_pairs(acc, v[k], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q16 + 16 * k)));
+    return acc;
+  }
+};
+
 // qs = q * s (fp32, one head) -> q16 and a, with qs ~ a * q16; with `low` (fp32 models), also the
 // rounding error in a second int16 row, qs ~ a * (q16 + low / 32768): an error of 2^-31, fp32's.
 template <int D>

@@ -2,8 +2,8 @@
 //
 // kv_decode_attention -- paged decode attention over a compressed KV cache (int8, fp8, int4),
 // read in place: each K/V row is dequantized into a head_dim-sized fp32 buffer (L1, registers)
-// right before it is used, so no dequantized copy of any context is ever built. int4 with AVX2
-// (head_dim 64 or 128, groups of 16-64) computes on its codes instead (run_int4_codes).
+// right before it is used, so no dequantized copy of any context is ever built. int4 (groups of 16-64)
+// and int8 with AVX2 (head_dim 64 or 128) compute on their codes instead (run_codes).
 //
 //   out[b, h] = softmax_t(scale * q[b, h] . K^[slot(b, t), h / G]) @ V^[slot(b, t), h / G]
 //   K^ = dequant(codes, scales, zeros) per row;  t in [max(0, seq_len[b] - window), seq_len[b])
@@ -115,16 +115,19 @@ struct Shape {
 };
 
 #if defined(THREEFOLD_AVX2)
-// int4 on its codes (codes_avx2.h): the rows are KIVI's 4-bit layout, with a scale and zero point per
-// token and group of `vg` channels. A key's score: a sum_c s_c (q16_c . code_c) + sum_c z_c sum(q_c),
-// q16 = q as int16 once per row and head (two rows for fp32 models, as the KIVI kernel does); values:
+// int4 and int8 on their codes (codes_avx2.h). int4 rows are KIVI's 4-bit layout, with a scale and zero
+// point per token and group of `vg` channels; int8 rows one signed byte a channel and one scale per token
+// (vg = D, no zero point). A key's score: a sum_c s_c (q16_c . code_c) + sum_c z_c sum(q_c), q16 = q as
+// int16 once per row and head (two rows for fp32 models, as the KIVI kernel does); values:
 // fast::values_block.
 constexpr int kMaxHeads = 16;  // query heads per kv head this path holds
 
-template <int D, typename T, int PER>  // PER: 16-channel vectors an int4 group
-void run_int4_codes(const at::Tensor& out, const at::Tensor& q, const Side& ks, const Side& vs,
-                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
-                    const Shape& a) {
+template <int K, int D, typename T, int PER>  // PER: 16-channel vectors a scale group
+void run_codes(const at::Tensor& out, const at::Tensor& q, const Side& ks, const Side& vs,
+               const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+               const Shape& a) {
+  using Codes = std::conditional_t<K == kInt4, fast::Codes<4, D>, fast::Int8Codes<D>>;
+  constexpr bool kZeros = K == kInt4;
   constexpr bool kExact = std::is_same_v<T, float>;
   constexpr int K16 = D / 16;
   const Io<T> io(out, q, block_tables, seq_lens, scale);
@@ -164,11 +167,11 @@ void run_int4_codes(const at::Tensor& out, const at::Tensor& q, const Side& ks, 
         alignas(32) float zz[groups][8] = {};  // the 8 keys' zero points
         for (int j = 0; j < count; ++j) {
           const int64_t index = rows[t0 + j];
-          const fast::Codes<4, D> c(ks.codes + index * ks.width);
+          const Codes c(ks.codes + index * ks.width);
           __m256 sc[groups];
           for (int cg = 0; cg < groups; ++cg) {
             sc[cg] = _mm256_set1_ps(ks.scales[index * groups + cg]);
-            zz[cg][j] = ks.zeros[index * groups + cg];
+            if constexpr (kZeros) zz[cg][j] = ks.zeros[index * groups + cg];
           }
           for (int64_t g = 0; g < a.group; ++g) {
             __m256 sum = _mm256_setzero_ps();
@@ -201,10 +204,10 @@ void run_int4_codes(const at::Tensor& out, const at::Tensor& q, const Side& ks, 
         const int count = static_cast<int>(std::min<int64_t>(fast::kRows, n - t0));
         for (int j = 0; j < count; ++j) {
           const int64_t index = rows[t0 + j];
-          fast::Codes<4, D>::unpack(vs.codes + index * vs.width, vcodes[j]);
+          Codes::unpack(vs.codes + index * vs.width, vcodes[j]);
           for (int cg = 0; cg < groups; ++cg) {
             vscale[cg * fast::kRows + j] = vs.scales[index * groups + cg];
-            vzero[cg * fast::kRows + j] = vs.zeros[index * groups + cg];
+            vzero[cg * fast::kRows + j] = kZeros ? vs.zeros[index * groups + cg] : 0.f;
           }
         }
         fast::values_block<D, kExact>(vcodes, count, scores.data() + t0, n, vscale.data(), vzero.data(), a.group,
@@ -229,12 +232,16 @@ void run(const at::Tensor& out, const at::Tensor& q, const Side& ks, const Side&
   if constexpr (K == kInt4 && fast::kCodes<4, D>) {
     if (!mask.active() && a.group <= kMaxHeads) {
       switch (D / ks.groups) {  // the group in channels
-        case 16: return run_int4_codes<D, T, 1>(out, q, ks, vs, block_tables, seq_lens, scale, window, a);
-        case 32: return run_int4_codes<D, T, 2>(out, q, ks, vs, block_tables, seq_lens, scale, window, a);
-        case 64: return run_int4_codes<D, T, 4>(out, q, ks, vs, block_tables, seq_lens, scale, window, a);
+        case 16: return run_codes<K, D, T, 1>(out, q, ks, vs, block_tables, seq_lens, scale, window, a);
+        case 32: return run_codes<K, D, T, 2>(out, q, ks, vs, block_tables, seq_lens, scale, window, a);
+        case 64: return run_codes<K, D, T, 4>(out, q, ks, vs, block_tables, seq_lens, scale, window, a);
         default: break;  // other groups: the loop below
       }
     }
+  }
+  if constexpr (K == kInt8 && (D == 64 || D == 128)) {
+    if (!mask.active() && a.group <= kMaxHeads)
+      return run_codes<K, D, T, D / 16>(out, q, ks, vs, block_tables, seq_lens, scale, window, a);
   }
 #endif
   const Io<T> io(out, q, block_tables, seq_lens, scale);
