@@ -36,6 +36,24 @@ namespace {
 
 enum Kind : int64_t { kInt8 = 0, kFp8 = 1, kInt4 = 2 };
 
+// How an fp8 code becomes a float: through the caller's 256-entry table, or from its bits. e5m2 is the
+// top byte of an fp16; e4m3 (fn) is an fp16 with the byte's 7 low bits shifted in under the sign, 2^-8
+// of the code's value (exponent bias 7 against fp16's 15; subnormals map to subnormals). The table is
+// checked against those values once per call (its NaN entries excepted: codecs saturate, never emit NaN).
+enum Fp8 : int { kFp8Lut = 0, kFp8E4m3 = 1, kFp8E5m2 = 2 };
+
+int fp8_format(const float* lut) {
+  auto matches = [&](auto&& value) {
+    for (int b = 0; b < 256; ++b)
+      if (!std::isnan(lut[b]) && lut[b] != value(b)) return false;
+    return true;
+  };
+  auto half = [](int bits) { return static_cast<float>(c10::Half(static_cast<uint16_t>(bits), c10::Half::from_bits())); };
+  if (matches([&](int b) { return half(((b & 0x80) << 8) | ((b & 0x7f) << 7)) * 256.f; })) return kFp8E4m3;
+  if (matches([&](int b) { return half(b << 8); })) return kFp8E5m2;
+  return kFp8Lut;
+}
+
 using threefold::to_float;  // kernel_common.h: bf16 widened by a shift
 
 // One cache side (K or V): the row at (block, offset, head) decoded into `dst` [d] fp32.
@@ -44,6 +62,7 @@ struct Side {
   const float* scales;
   const float* zeros;
   int64_t width, groups;  // bytes per row, scale groups per row
+  int fp8 = kFp8Lut;      // fp8 only: how a code becomes a float (fp8_format)
 
   template <int K, int D>
   inline void row(int64_t index, const float* lut, int64_t d, float* __restrict dst) const {
@@ -56,6 +75,22 @@ struct Side {
       for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(ci[i]) * sc;
     } else if constexpr (K == kFp8) {
       const float sc = s[0];
+#if defined(THREEFOLD_AVX2) && defined(__F16C__)
+      if (fp8 != kFp8Lut && n % 16 == 0) {  // the code's bits as fp16 (F16C), 16 at a time
+        const bool e4m3 = fp8 == kFp8E4m3;
+        const __m256 mul = _mm256_set1_ps(e4m3 ? sc * 256.f : sc);
+        const __m256i sign = _mm256_set1_epi16(static_cast<int16_t>(0x8000)), rest = _mm256_set1_epi16(0x7f << 7);
+        for (int64_t i = 0; i < n; i += 16) {
+          const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i)));
+          const __m256i h = e4m3 ? _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(b, 8), sign),
+                                                   _mm256_and_si256(_mm256_slli_epi16(b, 7), rest))
+                                 : _mm256_slli_epi16(b, 8);
+          _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), mul));
+          _mm256_storeu_ps(dst + i + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), mul));
+        }
+        return;
+      }
+#endif
       for (int64_t i = 0; i < n; ++i) dst[i] = lut[c[i]] * sc;
     } else {
       // Packed by halves: two contiguous passes (vectorized), then scale and zero per group.
@@ -353,8 +388,9 @@ void kv_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at::T
               "block_tables [B, width] and seq_lens [B] must be contiguous int64");
   const Shape a{q.size(0), q.size(1), d, k_codes.size(1), k_codes.size(2), q.size(1) / k_codes.size(2),
                 block_tables.size(1)};
-  const Side ks = side(k_codes, k_scales, k_zeros), vs = side(v_codes, v_scales, v_zeros);
+  Side ks = side(k_codes, k_scales, k_zeros), vs = side(v_codes, v_scales, v_zeros);
   const float* table = kind == kFp8 ? lut.data_ptr<float>() : nullptr;
+  if (kind == kFp8) ks.fp8 = vs.fp8 = fp8_format(table);
   const threefold::TreeMask mask(tree_starts, tree_bits, seq_lens);
   if (q.scalar_type() == at::kBFloat16)
     return dispatch_kind<at::BFloat16>(kind, out, q, ks, vs, table, block_tables, seq_lens, scale, window, a, mask);
