@@ -22,8 +22,9 @@ prompt) rather than one batch's makespan, which speculation can only lengthen.
     ITL p50/p99  gaps between successive outputs of a request (a verify emitting several
                  tokens at once is one output, as a streaming client sees it)
 
-A method is NAME[@HEADS][:K][:fixed]: `draft:6` drafts up to 6 tokens, `:fixed` turns the adaptive
-controller off (always K), `eagle@smollm2-135m-eagle-v1` takes that heads directory under --heads-dir
+A method is NAME[@HEADS][:K][:vN][:fixed]: `draft:6` drafts up to 6 tokens, `:fixed` turns the adaptive
+controller off (always K), `:v4096` drafts over the heads' 4,096-token draft vocabulary (`:v0` the whole
+vocabulary; without it, the heads' default), `eagle@smollm2-135m-eagle-v1` takes that heads directory under --heads-dir
 (two heads of one method side by side). `draft` is the draft model (--draft-model) with the target's tokenizer.
 --peers adds, at batch 1, transformers on the same pair (the GGUFs converted to HF directories by
 `threefold bench peers convert`), plain `generate` and assisted `generate(assistant_model=draft)`
@@ -123,7 +124,7 @@ TREES = {"eagle-tree": {"tree_top_k": 4, "tree_total_tokens": 12},
 
 def configs(methods: list[str], heads_dir: Path, k: int, heads: dict[str, str] | None = None,
             draft_model: str = "qwen2.5-coder-0.5b") -> dict[str, dict | None]:
-    """methods: NAME[@HEADS][:K][:fixed] each; heads: method -> heads directory name under heads_dir
+    """methods: NAME[@HEADS][:K][:vN][:fixed] each; heads: method -> heads directory name under heads_dir
     (default smollm2-135m-<method>); @HEADS names another one for that configuration."""
     out: dict[str, dict | None] = {"off": None}
     for spec in methods:
@@ -131,12 +132,16 @@ def configs(methods: list[str], heads_dir: Path, k: int, heads: dict[str, str] |
         name, _, heads_name = name.partition("@")
         method = {"draft": "draft_model"}.get(name.removesuffix("-tree"), name.removesuffix("-tree"))
         config = {"method": method, "num_speculative_tokens": k, **TREES.get(name, {})}
+        vocab = [o for o in options if o[:1] == "v" and o[1:].isdigit()]
+        if vocab:
+            config["draft_vocab_size"] = int(vocab[0][1:])
+            options = [o for o in options if o not in vocab]
         if options and options[0] != "fixed":
             config["num_speculative_tokens"] = int(options.pop(0))
         if options == ["fixed"]:
             config["adaptive"] = False
         elif options:
-            raise SystemExit(f"{spec!r}: a method is NAME[@HEADS][:K][:fixed]")
+            raise SystemExit(f"{spec!r}: a method is NAME[@HEADS][:K][:vN][:fixed]")
         if method == "draft_model":
             config["model"] = draft_model
         if method in ("eagle", "medusa"):
@@ -208,7 +213,8 @@ def vllm_cells(target: str, draft: str, k: int, prompt_ids: list[list[int]], max
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="the target")
-    parser.add_argument("--methods", default="ngram,eagle,medusa", help="NAME[@HEADS][:K][:fixed], comma-separated")
+    parser.add_argument("--methods", default="ngram,eagle,medusa",
+                        help="NAME[@HEADS][:K][:vN][:fixed], comma-separated")
     parser.add_argument("--draft-model", default="qwen2.5-coder-0.5b", help="the draft of the `draft` method")
     parser.add_argument("--heads-dir", type=Path, default=Path.home() / ".cache/threefold/heads")
     parser.add_argument("--eagle-heads", default="smollm2-135m-eagle", help="EAGLE head directory under --heads-dir")

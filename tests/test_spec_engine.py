@@ -64,7 +64,8 @@ def test_request_can_opt_out(make_llm, reference):
     assert llm.engine.get_stats().spec_num_drafts == 0
 
 
-def write_random_heads(method, loaded, path):
+def write_random_heads(method, loaded, path, draft_vocab_size=0):
+    """draft_vocab_size: the heads draft over that many ids (a seeded random ranking)."""
     import torch
 
     from threefold.spec.heads import EagleHead, HeadsConfig, MedusaHeads, save_heads
@@ -72,18 +73,21 @@ def write_random_heads(method, loaded, path):
     torch.manual_seed(0)
     arch = loaded.config
     heads = MedusaHeads(arch.hidden_size, 4) if method == "medusa" else EagleHead(arch)
-    save_heads(path, HeadsConfig(method, arch.hidden_size, arch.vocab_size, loaded.name, 4), heads)
+    ranked = torch.randperm(arch.vocab_size)[:draft_vocab_size] if draft_vocab_size else None
+    save_heads(path, HeadsConfig(method, arch.hidden_size, arch.vocab_size, loaded.name, 4,
+                                 draft_vocab_size=draft_vocab_size), heads, ranked)
 
 
-@pytest.mark.parametrize("method", ["draft_model", "medusa", "eagle"])
+@pytest.mark.parametrize("method", ["draft_model", "medusa", "eagle", "eagle:vocab"])
 def test_every_method_greedy_is_identical(make_llm, smollm2_fp32, reference, method, tmp_path):
+    method, _, vocab = method.partition(":")  # vocab: the heads draft over a draft vocabulary (FR-Spec)
     config = {"method": method, "num_speculative_tokens": 3}
     if method == "draft_model":
         # The target drafting for itself: every draft is accepted. A draft costing what the target costs
         # never pays, so the adaptive controller (its price profiled at startup) would not draft: fixed k.
         config.update(model="smollm2-135m", adaptive=False)
     else:
-        write_random_heads(method, smollm2_fp32, tmp_path)
+        write_random_heads(method, smollm2_fp32, tmp_path, 4096 if vocab else 0)
         config["model"] = str(tmp_path)
     llm = make_llm(speculative_config=config, max_num_batched_tokens=64)  # adaptive, chunked prefill
     outputs = llm.generate(REPEATING + PROMPTS[:6], GREEDY)

@@ -25,7 +25,7 @@ def context(smollm2_fp32):
     return [*ids, next_id], hidden.clone()
 
 
-def random_heads(method, smollm2_fp32, path, num_heads=3):
+def random_heads(method, smollm2_fp32, path, num_heads=3, draft_vocab=None, draft_vocab_size=0):
     torch.manual_seed(0)
     arch = smollm2_fp32.config
     heads = MedusaHeads(arch.hidden_size, num_heads) if method == "medusa" else EagleHead(arch)
@@ -33,7 +33,8 @@ def random_heads(method, smollm2_fp32, path, num_heads=3):
         for param in heads.parameters():
             if param.dim() == 2:
                 param.normal_(0, 0.02)
-    save_heads(path, HeadsConfig(method, arch.hidden_size, arch.vocab_size, "smollm2-135m", num_heads), heads)
+    save_heads(path, HeadsConfig(method, arch.hidden_size, arch.vocab_size, "smollm2-135m", num_heads,
+                                 draft_vocab_size=draft_vocab_size), heads, draft_vocab)
     return heads
 
 
@@ -59,8 +60,9 @@ def test_medusa_chain_and_tree(smollm2_fp32, context, tmp_path):
         make_proposer(SpeculativeConfig("eagle", 3, model=str(tmp_path)), smollm2_fp32)
 
 
-def brute_force_eagle_chain(head, model, tokens, hidden, k):
-    """Recompute the head over every pair from scratch for each drafted token."""
+def brute_force_eagle_chain(head, model, tokens, hidden, k, vocab=None):
+    """Recompute the head over every pair from scratch for each drafted token; vocab: the argmax
+    taken over only these token ids."""
     features, pair_tokens = list(hidden), list(tokens[1:])
     drafts = []
     with torch.inference_mode():
@@ -68,7 +70,8 @@ def brute_force_eagle_chain(head, model, tokens, hidden, k):
             num = len(pair_tokens)
             embeds = F.embedding(torch.tensor(pair_tokens), model.embed_tokens.weight)
             predicted = head(torch.stack(features), embeds, torch.arange(1, num + 1), causal_attention)
-            drafts.append(int(model.compute_logits(predicted[-1:]).argmax()))
+            logits = model.compute_logits(predicted[-1:])[0]
+            drafts.append(int(logits.argmax()) if vocab is None else int(vocab[logits[vocab].argmax()]))
             features.append(predicted[-1])
             pair_tokens.append(drafts[-1])
     return drafts
@@ -124,3 +127,61 @@ def test_heads_found_by_name_under_threefold_home(smollm2_fp32, tmp_path, monkey
     assert proposer.heads.num_heads == 3
     with pytest.raises(ThreefoldError, match="holds no draft heads"):
         make_proposer(SpeculativeConfig("medusa", 2, model="other-heads"), smollm2_fp32)
+
+
+def ranked_vocab(smollm2_fp32, size=3000):
+    """A ranked draft vocabulary of `size` ids spread over the whole vocabulary (seeded)."""
+    generator = torch.Generator().manual_seed(1)
+    return torch.randperm(smollm2_fp32.config.vocab_size, generator=generator)[:size]
+
+
+def test_draft_vocabulary_drafts_the_best_token_inside_it(smollm2_fp32, context, tmp_path):
+    """FR-Spec: with draft_vocab_size N the heads' argmax is over the first N ranked ids only,
+    through a sliced LM head that computes the full head's rows for them."""
+    tokens, hidden = context
+    vocab = ranked_vocab(smollm2_fp32)
+    head = random_heads("eagle", smollm2_fp32, tmp_path / "eagle", draft_vocab=vocab, draft_vocab_size=2000)
+    model = smollm2_fp32.model
+    sliced = make_proposer(SpeculativeConfig("eagle", 4, model=str(tmp_path / "eagle")), smollm2_fp32)
+    assert sliced.lm_head.size == 2000
+    with torch.inference_mode():
+        torch.testing.assert_close(sliced.lm_head(hidden[-3:]), model.compute_logits(hidden[-3:])[:, vocab[:2000]],
+                                   atol=1e-4, rtol=1e-5)
+    (draft,) = sliced.propose([DraftRequest("a", tokens, 4, hidden)])
+    assert draft.token_ids == brute_force_eagle_chain(head, model, tokens, hidden, 4, vocab[:2000])
+    assert set(draft.token_ids) <= set(vocab[:2000].tolist())
+    full = make_proposer(SpeculativeConfig("eagle", 4, model=str(tmp_path / "eagle"), draft_vocab_size=0),
+                         smollm2_fp32)
+    (whole,) = full.propose([DraftRequest("a", tokens, 4, hidden)])
+    assert full.lm_head.size == smollm2_fp32.config.vocab_size
+    assert whole.token_ids == brute_force_eagle_chain(head, model, tokens, hidden, 4)
+    assert whole.token_ids[0] not in vocab[:2000].tolist()  # the slice really changed the draft
+    tree = make_proposer(SpeculativeConfig("eagle", 3, model=str(tmp_path / "eagle"), tree_top_k=3,
+                                           tree_total_tokens=8, draft_vocab_size=500), smollm2_fp32)
+    (nodes,) = tree.propose([DraftRequest("a", tokens, 3, hidden)])
+    assert len(nodes.token_ids) == 8 and set(nodes.token_ids) <= set(vocab[:500].tolist())
+    assert nodes.token_ids[0] == brute_force_eagle_chain(head, model, tokens, hidden, 1, vocab[:500])[0]
+
+    medusa = random_heads("medusa", smollm2_fp32, tmp_path / "medusa", draft_vocab=vocab, draft_vocab_size=1000)
+    proposer = make_proposer(SpeculativeConfig("medusa", 3, model=str(tmp_path / "medusa")), smollm2_fp32)
+    (draft,) = proposer.propose([DraftRequest("r", tokens, 3, hidden)])
+    with torch.inference_mode():
+        logits = model.compute_logits(medusa(hidden[-1:])[:, 0])[:, vocab[:1000]]  # [num_heads, 1000]
+    assert draft.token_ids == vocab[:1000][logits.argmax(-1)].tolist()
+
+
+def test_draft_vocabulary_refuses_what_the_heads_cannot_give(smollm2_fp32, context, tmp_path):
+    vocab = ranked_vocab(smollm2_fp32)
+    random_heads("eagle", smollm2_fp32, tmp_path / "ranked", draft_vocab=vocab)
+    with pytest.raises(ThreefoldError, match="wrote only 3000 distinct tokens"):
+        make_proposer(SpeculativeConfig("eagle", 2, model=str(tmp_path / "ranked"), draft_vocab_size=3001),
+                      smollm2_fp32)
+    assert make_proposer(SpeculativeConfig("eagle", 2, model=str(tmp_path / "ranked")),
+                         smollm2_fp32).lm_head.size == smollm2_fp32.config.vocab_size  # the heads' default: 0
+    random_heads("eagle", smollm2_fp32, tmp_path / "old")  # trained before heads kept a vocabulary
+    with pytest.raises(ThreefoldError, match="carry no draft vocabulary"):
+        make_proposer(SpeculativeConfig("eagle", 2, model=str(tmp_path / "old"), draft_vocab_size=100), smollm2_fp32)
+    with pytest.raises(ThreefoldError, match="draft_vocab_size slices"):
+        SpeculativeConfig("ngram", 2, draft_vocab_size=100)
+    with pytest.raises(ThreefoldError, match="non-negative integer"):
+        SpeculativeConfig("eagle", 2, model="x", draft_vocab_size=-1)

@@ -10,9 +10,12 @@ import pytest
 import torch
 
 from threefold.errors import ThreefoldError
-from threefold.spec.heads import load_heads
+from threefold.spec.heads import HeadsConfig, draft_vocab_ids, load_heads
 from threefold.spec.train import (
+    Sequence,
+    draft_vocab_coverage,
     load_sequences,
+    rank_draft_vocab,
     self_distillation_data,
     sharegpt_token_sequences,
     target_sequences,
@@ -93,3 +96,24 @@ def test_train_draft_on_the_targets_own_answers(method, smollm2_fp32, own_answer
     assert result.val_accuracy is not None and len(result.val_accuracy) == (2 if method == "medusa" else 1)
     config, _ = load_heads(tmp_path, smollm2_fp32.config, "smollm2-135m", method)
     assert config.recipe["val_top1"] == [round(a, 4) for a in result.val_accuracy]
+    # The heads keep the tokens the target wrote on the training rows, most often first, as their
+    # draft vocabulary (all of them here: fewer than the default size).
+    ranked = rank_draft_vocab(data[:3], config.vocab_size)
+    written = torch.cat([s.labels[s.first_row :] for s in data[:3]])
+    assert config.draft_vocab_size == len(ranked) == len(set(written.tolist()))
+    assert draft_vocab_ids(tmp_path, config, None).tolist() == ranked.tolist()
+    assert draft_vocab_ids(tmp_path, config, 0) is None
+    assert recipe["draft_vocab"]["coverage_train"][1024] == 1.0
+
+
+def test_draft_vocabulary_ranks_the_written_tokens_by_count():
+    def rows(labels, first_row=0):
+        labels = torch.tensor(labels)
+        return Sequence(labels, torch.zeros(len(labels), 2), labels, answer_start=first_row + 1 if first_row else 0)
+
+    data = [rows([5, 5, 7, 2, 9, 9, 9], first_row=1), rows([2, 7, 7, 5])]  # the first row of data[0] is a prompt's
+    ranked = rank_draft_vocab(data, vocab_size=12)
+    assert ranked.tolist() == [7, 9, 2, 5]  # 3, 3, 2, 2 times (the prompt's 5 not counted): ties by id
+    assert draft_vocab_coverage(ranked, data, 12, sizes=(1, 3, 4)) == {1: 0.3, 3: 0.8, 4: 1.0}
+    assert draft_vocab_coverage(ranked, [rows([1, 5])], 12, sizes=(4,)) == {4: 0.5}  # 1 was never written
+    assert HeadsConfig("eagle", 2, 12, "t").draft_vocab_size == 0  # heads of older recipes: the whole vocabulary

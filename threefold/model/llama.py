@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from threefold.errors import ThreefoldError
 from threefold.kernels import few_rows_max, has_few_row_linear
 from threefold.model.config import ModelArchConfig
 
@@ -98,6 +99,37 @@ class Linear(nn.Linear):
         if self.stream_weight is None:  # a tied weight is rounded once
             self.stream_weight = self.weight.data.to(torch.bfloat16)
             self.weight.data.copy_(self.stream_weight)
+
+    def use_kernels(self, kernels: ModuleType | None, compute: torch.dtype) -> None:
+        """Take the few-row kernel where it runs for this compute dtype, streaming the plain weight
+        (or the bf16 copy `store_bf16` kept); None: never."""
+        if self.stream_weight is None and self.weight.device.type != "meta":
+            self.stream_weight = self.weight.detach()  # a plain view: no second Parameter
+        stream = self.stream_weight
+        runs = stream is not None and has_few_row_linear(kernels, compute, stream.dtype)
+        self.kernels = kernels if runs else None
+        self.max_rows = few_rows_max(kernels) if runs else 0
+
+    def rows(self, ids: Tensor) -> Linear:
+        """A Linear computing only these output rows of this one (a draft vocabulary's slice of an
+        LM head), set up as this one is: prepacked for oneDNN, and streamed by the few-row kernel
+        (in the same storage dtype) where this one is. Needs the plain weight, or its bf16 stream."""
+        source = self.weight if self.weight.device.type != "meta" else self.stream_weight
+        if source is None or source.device.type == "meta":
+            raise ThreefoldError("this Linear keeps only its packed weight; its rows cannot be taken.")
+        ids = ids.to(source.device)
+        sliced = Linear(self.in_features, len(ids), bias=self.bias is not None, device="meta")
+        sliced.weight = nn.Parameter(source.index_select(0, ids).to(self.weight.dtype), requires_grad=False)
+        if self.bias is not None:
+            sliced.bias = nn.Parameter(self.bias.detach().index_select(0, ids), requires_grad=False)
+        if self.packed is not None:
+            sliced.pack()
+        if self.kernels is not None and self.stream_weight is not None:
+            stream = self.stream_weight
+            sliced.stream_weight = sliced.weight.detach() if stream.dtype == sliced.weight.dtype \
+                else stream.index_select(0, ids)
+            sliced.kernels, sliced.max_rows = self.kernels, self.max_rows
+        return sliced
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kernels is not None and x.dim() == 2 and x.shape[0] <= self.max_rows:
@@ -345,13 +377,8 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.kernels = kernels
-            elif isinstance(module, Linear):  # where the kernel runs and the weight it streams is kept
-                if module.stream_weight is None and module.weight.device.type != "meta":
-                    module.stream_weight = module.weight.detach()  # a plain view: no second Parameter
-                stream = module.stream_weight
-                runs = stream is not None and has_few_row_linear(kernels, self.config.dtype, stream.dtype)
-                module.kernels = kernels if runs else None
-                module.max_rows = few_rows_max(kernels) if runs else 0
+            elif isinstance(module, Linear):
+                module.use_kernels(kernels, self.config.dtype)
         self._layer_weights = self._native_layer_weights()
 
     def _native_layer_weights(self) -> tuple[list[Tensor | None], list[int]] | None:

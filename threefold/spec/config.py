@@ -61,6 +61,11 @@ class SpeculativeConfig:
     """Weight of the newest step in each request's acceptance-rate EMA, in (0, 1]."""
     disable_by_batch_size: int | None = None
     """Draft nothing while at least this many requests run (vLLM's option); None = never."""
+    draft_vocab_size: int | None = None
+    """medusa/eagle: draft over only the N tokens the target wrote most often in the heads'
+    training answers (FR-Spec / EAGLE-3's draft vocabulary): the heads' LM head computes N rows
+    instead of the whole vocabulary. None = the heads' own default; 0 = the whole vocabulary.
+    Lossless either way (drafts are verified); a token outside it is just never drafted."""
 
     def __post_init__(self) -> None:
         _require(self.method in METHODS, f"unknown speculative method {self.method!r}; use one of "
@@ -80,6 +85,12 @@ class SpeculativeConfig:
                  or (_is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
                  f"disable_by_batch_size must be a positive integer or null, got {self.disable_by_batch_size!r}.",
                  "disable_by_batch_size")
+        if self.draft_vocab_size is not None:
+            _require(self.method in ("medusa", "eagle"), f"draft_vocab_size slices the LM head of trained heads; "
+                     f"method {self.method!r} has none.", "draft_vocab_size")
+            _require(_is_int(self.draft_vocab_size) and self.draft_vocab_size >= 0,
+                     f"draft_vocab_size must be a non-negative integer (0 = the whole vocabulary) or null, got "
+                     f"{self.draft_vocab_size!r}.", "draft_vocab_size")
 
     @property
     def model_path(self) -> str:

@@ -27,11 +27,14 @@ from torch import Tensor, nn
 
 from threefold.errors import ThreefoldError
 from threefold.model.config import ModelArchConfig
-from threefold.model.llama import AttentionFn, DecoderLayer, RMSNorm, rope_tables
+from threefold.model.llama import AttentionFn, DecoderLayer, Linear, RMSNorm, rope_tables
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 HEAD_METHODS = ("medusa", "eagle")
+DRAFT_VOCAB_KEY = "draft_vocab"
+"""In the weights file: int64 token ids ranked by how often the target wrote them in the heads'
+training answers (most often first; tokens it never wrote are left out)."""
 
 
 @dataclass
@@ -48,6 +51,9 @@ class HeadsConfig:
     """Stored dtype (bfloat16 halves the files); loading always gives float32 modules."""
     recipe: dict = field(default_factory=dict)
     """How they were made: data, tokens, steps, wall time, command."""
+    draft_vocab_size: int = 0
+    """Draft over the first N tokens of the ranked draft vocabulary unless speculative_config says
+    otherwise (0: the whole vocabulary)."""
 
 
 class ResBlock(nn.Module):
@@ -55,7 +61,7 @@ class ResBlock(nn.Module):
 
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size)
+        self.linear = Linear(hidden_size, hidden_size)
         nn.init.zeros_(self.linear.weight)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -86,7 +92,7 @@ class EagleHead(nn.Module):
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
         hidden = arch.hidden_size
-        self.fc = nn.Linear(2 * hidden, hidden)
+        self.fc = Linear(2 * hidden, hidden)
         self.layer = DecoderLayer(arch, 0)
         for module in self.layer.modules():  # the target's layer classes leave norms uninitialised
             if isinstance(module, RMSNorm):
@@ -125,11 +131,14 @@ def build_heads(config: HeadsConfig, arch: ModelArchConfig) -> nn.Module:
     return EagleHead(arch)
 
 
-def save_heads(path: Path, config: HeadsConfig, heads: nn.Module) -> None:
-    """Ownership: `path` is created; existing files of the same names are replaced."""
+def save_heads(path: Path, config: HeadsConfig, heads: nn.Module, draft_vocab: Tensor | None = None) -> None:
+    """Ownership: `path` is created; existing files of the same names are replaced. draft_vocab:
+    the ranked token ids (DRAFT_VOCAB_KEY), kept beside the weights."""
     path.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, config.dtype)
     state = {name: tensor.detach().to(dtype).contiguous() for name, tensor in heads.state_dict().items()}
+    if draft_vocab is not None:
+        state[DRAFT_VOCAB_KEY] = draft_vocab.to(torch.int64).contiguous()
     save_file(state, str(path / WEIGHTS_FILE), metadata={"method": config.method})
     (path / CONFIG_FILE).write_text(json.dumps(asdict(config), indent=2) + "\n")
 
@@ -163,5 +172,29 @@ def load_heads(path: str | Path, arch: ModelArchConfig, target_name: str | None 
     if target_name is not None and config.target != target_name:
         raise ThreefoldError(f"heads in {path} were trained for {config.target!r}, not {target_name!r}.", param=param)
     heads = build_heads(config, arch)
-    heads.load_state_dict({name: t.float() for name, t in load_file(str(path / WEIGHTS_FILE)).items()})
+    state = load_file(str(path / WEIGHTS_FILE))
+    state.pop(DRAFT_VOCAB_KEY, None)
+    heads.load_state_dict({name: t.float() for name, t in state.items()})
     return config, heads.eval().requires_grad_(False)
+
+
+def draft_vocab_ids(path: str | Path, config: HeadsConfig, size: int | None) -> Tensor | None:
+    """The token ids the heads in `path` draft over: the first `size` of their ranked draft vocabulary
+    (None: the heads' default, config.draft_vocab_size; 0: None, the whole vocabulary)."""
+    size = config.draft_vocab_size if size is None else size
+    if size == 0 or size >= config.vocab_size:
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(resolve_heads(path) / WEIGHTS_FILE), "pt") as weights:
+        names = list(weights.keys())  # a safe_open handle has no __contains__
+        ranked = weights.get_tensor(DRAFT_VOCAB_KEY) if DRAFT_VOCAB_KEY in names else None
+    param = "speculative_config.draft_vocab_size"
+    if ranked is None:
+        raise ThreefoldError(f"the heads in {path} carry no draft vocabulary (trained before it was kept); use "
+                             f"draft_vocab_size=0 or retrain them with `threefold train-draft`.", param=param)
+    if size > len(ranked):
+        raise ThreefoldError(f"draft_vocab_size={size}, but the target wrote only {len(ranked)} distinct tokens "
+                             f"in the training answers of the heads in {path}; use at most {len(ranked)}, or 0 "
+                             f"for the whole vocabulary.", param=param)
+    return ranked[:size]

@@ -13,41 +13,92 @@ Index convention: the sequence is x_0 .. x_{L-1}; the target has computed f_0 ..
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from threefold.errors import ThreefoldError
+from threefold.model.llama import MLP, Linear, RMSNorm
 from threefold.spec.config import SpeculativeConfig
-from threefold.spec.heads import EagleHead, MedusaHeads, load_heads
+from threefold.spec.heads import EagleHead, MedusaHeads, draft_vocab_ids, load_heads
 from threefold.spec.proposer import ROOT, Draft, DraftRequest, Proposer
 from threefold.spec.tree import eagle2_tree, masked_attention, medusa_tree, node_depths
 
+logger = logging.getLogger(__name__)
 
-def _logits(target_model, features: Tensor) -> Tensor:
-    """The target's own LM head over draft features: [..., hidden] -> float32 [..., vocab]."""
-    dtype = target_model.lm_head.weight.dtype if target_model.lm_head.weight.device.type != "meta" \
-        else target_model.embed_tokens.weight.dtype
-    return target_model.compute_logits(features.to(dtype))
+
+class DraftLMHead:
+    """The LM head drafts are read through: the target's own, or only its rows for a draft
+    vocabulary (FR-Spec, EAGLE-3: the tokens the target writes most). SmolLM2's LM head is 28M of
+    its 135M weights, so over the whole vocabulary it is most of what a drafted token costs.
+    Logits come in the draft vocabulary's index space; `token_ids` maps indices to token ids."""
+
+    def __init__(self, target_model, ids: Tensor | None) -> None:
+        lm_head = target_model.lm_head
+        self.dtype = lm_head.weight.dtype
+        self.ids = ids
+        self.linear = lm_head if ids is None else lm_head.rows(ids)
+        self._ids = None if ids is None else ids.tolist()
+
+    @property
+    def size(self) -> int:
+        return self.linear.out_features
+
+    def __call__(self, features: Tensor) -> Tensor:
+        """[..., hidden] -> float32 [..., size] (as rows: the few-row kernel takes 2-D calls)."""
+        rows = features.reshape(-1, features.shape[-1]).to(self.dtype)
+        return self.linear(rows).float().view(*features.shape[:-1], self.size)
+
+    def token_ids(self, indices: list[int]) -> list[int]:
+        return indices if self._ids is None else [self._ids[i] for i in indices]
+
+    def token_tensor(self, indices: Tensor) -> Tensor:
+        return indices if self.ids is None else self.ids[indices]
+
+
+def for_inference(heads: nn.Module, target_model) -> nn.Module:
+    """The heads as the target runs: in its compute dtype, every Linear prepacked for oneDNN and on
+    the few-row kernel where the target's are, norms and silu-and-mul native where the target's are.
+    Trained heads load as fp32 modules, whose one-row matmuls (MKL) took ~175 us a projection on the
+    avx512 EPYC: most of a drafted token's time."""
+    dtype, kernels = target_model.config.dtype, target_model.kernels
+    heads = heads.to(dtype)
+    for module in heads.modules():
+        if isinstance(module, Linear):
+            module.pack()
+            module.use_kernels(kernels, dtype)
+        elif isinstance(module, (RMSNorm, MLP)):
+            module.kernels = kernels
+    return heads
+
+
+def _draft_lm_head(config: SpeculativeConfig, heads_config, target) -> DraftLMHead:
+    head = DraftLMHead(target.model, draft_vocab_ids(config.model_path, heads_config, config.draft_vocab_size))
+    logger.info("%s heads draft over %d of the %d tokens (draft_vocab_size=%s)", config.method, head.size,
+                heads_config.vocab_size, config.draft_vocab_size)
+    return head
 
 
 class MedusaProposer(Proposer):
     needs_hidden_states = True
 
-    def __init__(self, heads: MedusaHeads, target_model, paths: list[tuple[int, ...]] | None) -> None:
-        self.heads, self.target_model, self.paths = heads, target_model, paths
+    def __init__(self, heads: MedusaHeads, lm_head: DraftLMHead, paths: list[tuple[int, ...]] | None) -> None:
+        self.heads, self.lm_head, self.paths = heads, lm_head, paths
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, target=None) -> MedusaProposer:
-        _, heads = load_heads(config.model_path, target.config, target.name, "medusa")
+        heads_config, heads = load_heads(config.model_path, target.config, target.name, "medusa")
         assert isinstance(heads, MedusaHeads)  # load_heads checked the method
+        for_inference(heads, target.model)
         if config.num_speculative_tokens > heads.num_heads:
             raise ThreefoldError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds the "
                                  f"{heads.num_heads} Medusa heads in {config.model}.",
                                  param="speculative_config.num_speculative_tokens")
-        return cls(heads, target.model, config.tree_paths() if config.speculative_token_tree else None)
+        return cls(heads, _draft_lm_head(config, heads_config, target),
+                   config.tree_paths() if config.speculative_token_tree else None)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -57,14 +108,14 @@ class MedusaProposer(Proposer):
         if not last:
             return drafts
         rows = [i for i, _ in last]
-        features = torch.stack([h for _, h in last]).float()  # [M, hidden]
-        logits = _logits(self.target_model, self.heads(features))  # [num_heads, M, vocab]
+        features = torch.stack([h for _, h in last]).to(self.lm_head.dtype)  # [M, hidden]
+        logits = self.lm_head(self.heads(features))  # [num_heads, M, draft vocab]
         if self.paths is None:
-            choices = logits.argmax(-1).T.tolist()  # [M, num_heads]
+            choices = self.lm_head.token_tensor(logits.argmax(-1)).T.tolist()  # [M, num_heads]
             for m, i in enumerate(rows):
                 drafts[i] = Draft(choices[m][: requests[i].num_drafts])
             return drafts
-        top_ranks = logits.topk(1 + max(max(p) for p in self.paths), dim=-1).indices  # [num_heads, M, K]
+        top_ranks = self.lm_head.token_tensor(logits.topk(1 + max(max(p) for p in self.paths), dim=-1).indices)
         for m, i in enumerate(rows):
             paths = [p for p in self.paths if len(p) <= requests[i].num_drafts]
             drafts[i] = medusa_tree(paths, top_ranks[:, m])
@@ -103,17 +154,22 @@ class _CaptureAttention:
 class EagleProposer(Proposer):
     needs_hidden_states = True
 
-    def __init__(self, head: EagleHead, target_model, top_k: int = 1, total_tokens: int | None = None) -> None:
+    def __init__(self, head: EagleHead, target_model, top_k: int = 1, total_tokens: int | None = None,
+                 lm_head: DraftLMHead | None = None) -> None:
         self.head, self.target_model = head, target_model
+        self.lm_head = lm_head or DraftLMHead(target_model, None)
         self.top_k, self.total_tokens = top_k, total_tokens
         self.scale = head.arch.head_dim ** -0.5
+        self.dtype = head.fc.weight.dtype
         self.states: dict[str, _EagleState] = {}
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, target=None) -> EagleProposer:
-        _, head = load_heads(config.model_path, target.config, target.name, "eagle")
+        heads_config, head = load_heads(config.model_path, target.config, target.name, "eagle")
         assert isinstance(head, EagleHead)  # load_heads checked the method
-        return cls(head, target.model, config.tree_top_k, config.tree_total_tokens)
+        for_inference(head, target.model)
+        return cls(head, target.model, config.tree_top_k, config.tree_total_tokens,
+                   _draft_lm_head(config, heads_config, target))
 
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -127,7 +183,7 @@ class EagleProposer(Proposer):
         last = len(request.token_ids) - 1
         if state.root_feature is None or state.root_position != last:
             return Draft([])  # no fresh feature for the last token (e.g. a full prefix hit)
-        root_logprobs = torch.log_softmax(_logits(self.target_model, state.root_feature), -1)
+        root_logprobs = torch.log_softmax(self.lm_head(state.root_feature), -1)
         top_k = self.top_k
         total = request.num_drafts if top_k == 1 else (self.total_tokens or request.num_drafts * top_k)
         features: dict[int, Tensor] = {}
@@ -136,14 +192,15 @@ class EagleProposer(Proposer):
         def expand(frontier: list[int], tokens: list[int], parents: list[int]) -> Tensor:
             return self._expand(state, last, frontier, tokens, parents, features, kv)
 
-        draft = eagle2_tree(root_logprobs, expand, request.num_drafts, top_k, total)
-        return Draft(draft.token_ids) if top_k == 1 else draft
+        draft = eagle2_tree(root_logprobs, expand, request.num_drafts, top_k, total)  # draft-vocabulary indices
+        token_ids = self.lm_head.token_ids(draft.token_ids)
+        return Draft(token_ids) if top_k == 1 else Draft(token_ids, draft.parent_ids)
 
     def _absorb(self, request: DraftRequest) -> _EagleState:
         """Run the head over the newly computed real pairs and cache their keys/values."""
         state = self.states.get(request.request_id)
         if state is None:
-            empty = torch.empty(0, self.head.arch.num_kv_heads, self.head.arch.head_dim)
+            empty = torch.empty(0, self.head.arch.num_kv_heads, self.head.arch.head_dim, dtype=self.dtype)
             no_positions = torch.empty(0, dtype=torch.long)
             state = self.states[request.request_id] = _EagleState(empty, empty.clone(), no_positions)
         hidden = request.hidden_states
@@ -157,14 +214,14 @@ class EagleProposer(Proposer):
         tokens = torch.tensor(request.token_ids[start + 1 : start + 1 + num])
         capture = _CaptureAttention(state.keys, state.values, torch.ones(num, len(state.positions), dtype=torch.bool),
                                     torch.ones(num, num, dtype=torch.bool).tril(), self.scale)
-        predicted = self.head(hidden[:num].float(), self._embed(tokens), positions, capture)
+        predicted = self.head(hidden[:num].to(self.dtype), self._embed(tokens), positions, capture)
         state.keys, state.values = torch.cat([state.keys, capture.k]), torch.cat([state.values, capture.v])
         state.positions = torch.cat([state.positions, positions])
         state.root_feature, state.root_position = predicted[-1], start + num
         return state
 
     def _embed(self, tokens: Tensor) -> Tensor:
-        return F.embedding(tokens, self.target_model.embed_tokens.weight).float()
+        return F.embedding(tokens, self.target_model.embed_tokens.weight).to(self.dtype)
 
     def _expand(self, state: _EagleState, last: int, frontier: list[int], tokens: list[int], parents: list[int],
                 features: dict[int, Tensor], kv: dict[int, tuple[Tensor, Tensor]]) -> Tensor:
@@ -187,9 +244,9 @@ class EagleProposer(Proposer):
         assert root is not None  # propose() refreshed it before expanding
         parent_features = torch.stack([root if parents[n] == ROOT else features[parents[n]] for n in frontier])
         positions = torch.tensor([last + depths[n] for n in frontier])
-        predicted = self.head(parent_features, self._embed(torch.tensor([tokens[n] for n in frontier])),
-                              positions, capture)
+        predicted = self.head(parent_features, self._embed(torch.tensor(self.lm_head.token_ids(
+            [tokens[n] for n in frontier]))), positions, capture)
         for row, node in enumerate(frontier):
             features[node] = predicted[row]
             kv[node] = (capture.k[row : row + 1], capture.v[row : row + 1])
-        return torch.log_softmax(_logits(self.target_model, predicted), -1)
+        return torch.log_softmax(self.lm_head(predicted), -1)

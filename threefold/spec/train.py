@@ -49,6 +49,9 @@ FORWARD_TOKENS = 4096
 """Padded tokens per batched target forward (features and labels)."""
 LOGIT_ROWS = 512
 """Rows per LM-head call when taking the target's argmax (a 49k-wide float row is 200 KB)."""
+DRAFT_VOCAB_SIZE = 8192
+"""The heads' default draft vocabulary (speculative_config's draft_vocab_size overrides it)."""
+COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass
@@ -332,11 +335,13 @@ def train(method: str, loaded, out_dir: Path | None, num_tokens: int = 200_000, 
           token_sequences: list[list[int]] | None = None, log_every: int = 50,
           save_dtype: str = "float32", command: str | None = None, data: list[Sequence] | None = None,
           data_info: dict | None = None, batch_size: int = 1, val_fraction: float = 0.0,
-          autocast: bool | None = None) -> TrainResult:
+          autocast: bool | None = None, draft_vocab_size: int = DRAFT_VOCAB_SIZE) -> TrainResult:
     """Train heads for `loaded` (a LoadedModel in float32); save them to out_dir if given. The data:
     `data` (e.g. self_distillation_data's), else `token_sequences`, else ShareGPT conversations.
     autocast: matmuls in bf16 (float32 weights, losses and optimizer), by default where the CPU
-    has native bf16 (most of a step is the LM head over every counted row)."""
+    has native bf16 (most of a step is the LM head over every counted row). draft_vocab_size: the
+    heads' default draft vocabulary, the tokens the target wrote most in the training rows
+    (0: the whole vocabulary)."""
     if method not in HEAD_METHODS:
         raise ThreefoldError(f"train-draft trains {' or '.join(HEAD_METHODS)} heads, not {method!r}.", param="method")
     if loaded.config.dtype != torch.float32:
@@ -398,9 +403,38 @@ def train(method: str, loaded, out_dir: Path | None, num_tokens: int = 200_000, 
                      "train_top1": [round(a, 4) for a in mean_accuracy],
                      "val_top1": [round(a, 4) for a in val_accuracy] if val_accuracy else None,
                      "wall_seconds": round(time.time() - start, 1), "command": command}
+    draft_vocab = rank_draft_vocab(train_data, config.vocab_size)
+    config.draft_vocab_size = min(draft_vocab_size, len(draft_vocab))
+    config.recipe["draft_vocab"] = {"distinct_tokens": len(draft_vocab), "coverage_train": draft_vocab_coverage(
+        draft_vocab, train_data, config.vocab_size),
+        "coverage_held_out": draft_vocab_coverage(draft_vocab, val_data, config.vocab_size) if val_data else None}
     if out_dir is not None:
-        save_heads(Path(out_dir), config, heads)
+        save_heads(Path(out_dir), config, heads, draft_vocab)
     return TrainResult(config, heads, losses, mean_accuracy, val_accuracy)
+
+
+def _answer_tokens(data: list[Sequence]) -> Tensor:
+    """What the heads are asked to draft: the target's greedy tokens on every loss row."""
+    rows = [s.labels[s.first_row :] for s in data]
+    return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
+
+
+def rank_draft_vocab(data: list[Sequence], vocab_size: int) -> Tensor:
+    """Token ids the target wrote on the loss rows, most often first (ties: lower id first); tokens
+    it never wrote are left out. The heads' draft vocabulary is a prefix of this (FR-Spec)."""
+    counts = torch.bincount(_answer_tokens(data), minlength=vocab_size)
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return order[: int((counts > 0).sum())]
+
+
+def draft_vocab_coverage(ranked: Tensor, data: list[Sequence], vocab_size: int,
+                         sizes=COVERAGE_SIZES) -> dict[int, float]:
+    """Share of the loss rows' target tokens inside the first N ranked ids, per N: the ceiling of
+    depth-1 acceptance a draft vocabulary of N leaves."""
+    tokens = _answer_tokens(data)
+    rank = torch.full((vocab_size,), vocab_size)
+    rank[ranked] = torch.arange(len(ranked))
+    return {n: round(float((rank[tokens] < n).float().mean()), 4) if len(tokens) else 0.0 for n in sizes}
 
 
 def _warmup_cosine(step: int, steps: int) -> float:
@@ -429,6 +463,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--num-heads", type=int, default=4, help="medusa: heads (drafts per step)")
+    parser.add_argument("--draft-vocab-size", type=int, default=DRAFT_VOCAB_SIZE,
+                        help="the heads' default draft vocabulary: the N tokens the target wrote most in the "
+                             "training rows (0: the whole vocabulary)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-dtype", default="bfloat16", choices=("float32", "bfloat16"),
                         help="stored weights' dtype (bfloat16 halves the files)")
@@ -451,7 +488,8 @@ def run(args: argparse.Namespace) -> TrainResult:
         val_fraction = args.val_fraction
     result = train(args.method, loaded, Path(args.out), args.num_tokens, args.seq_len, args.steps, args.lr,
                    args.num_heads, args.seed, save_dtype=args.save_dtype, command=" ".join(sys.argv), data=data,
-                   data_info=info, batch_size=args.batch_size, val_fraction=val_fraction)
+                   data_info=info, batch_size=args.batch_size, val_fraction=val_fraction,
+                   draft_vocab_size=args.draft_vocab_size)
     print(f"saved {args.method} heads to {args.out}: {result.config.recipe}")
     return result
 
