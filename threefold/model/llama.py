@@ -304,6 +304,17 @@ class RMSNorm(nn.Module):
         return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual
 
 
+def use_kernels_in(module: nn.Module, kernels: ModuleType | None, compute: torch.dtype) -> None:
+    """Route every RMSNorm, MLP and Linear under `module` (a model, or draft heads built of its
+    layer classes) through threefold.kernels' native passes where they run for `compute`
+    (None: the torch ops)."""
+    for sub in module.modules():
+        if isinstance(sub, (RMSNorm, MLP)):
+            sub.kernels = kernels
+        elif isinstance(sub, Linear):
+            sub.use_kernels(kernels, compute)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelArchConfig, layer_idx: int) -> None:
         super().__init__()
@@ -374,11 +385,7 @@ class CausalLM(nn.Module):
         threefold.kernels' native passes (None: the torch ops, which compute the same up
         to rounding)."""
         self.kernels = kernels
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, MLP)):
-                module.kernels = kernels
-            elif isinstance(module, Linear):
-                module.use_kernels(kernels, self.config.dtype)
+        use_kernels_in(self, kernels, self.config.dtype)
         self._layer_weights = self._native_layer_weights()
 
     def _native_layer_weights(self) -> tuple[list[Tensor | None], list[int]] | None:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from threefold.errors import ThreefoldError
-from threefold.model.llama import MLP, Linear, RMSNorm
+from threefold.model.llama import Linear, use_kernels_in
 from threefold.spec.config import SpeculativeConfig
 from threefold.spec.heads import EagleHead, MedusaHeads, draft_vocab_ids, load_heads
 from threefold.spec.proposer import ROOT, Draft, DraftRequest, Proposer
@@ -64,14 +64,12 @@ def for_inference(heads: nn.Module, target_model) -> nn.Module:
     the few-row kernel where the target's are, norms and silu-and-mul native where the target's are.
     Trained heads load as fp32 modules, whose one-row matmuls (MKL) took ~175 us a projection on the
     avx512 EPYC: most of a drafted token's time."""
-    dtype, kernels = target_model.config.dtype, target_model.kernels
+    dtype = target_model.config.dtype
     heads = heads.to(dtype)
     for module in heads.modules():
         if isinstance(module, Linear):
             module.pack()
-            module.use_kernels(kernels, dtype)
-        elif isinstance(module, (RMSNorm, MLP)):
-            module.kernels = kernels
+    use_kernels_in(heads, target_model.kernels, dtype)
     return heads
 
 
