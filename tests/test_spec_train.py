@@ -10,10 +10,14 @@ import pytest
 import torch
 
 from threefold.errors import ThreefoldError
-from threefold.spec.heads import HeadsConfig, draft_vocab_ids, load_heads
+from threefold.spec.heads import EagleHead, HeadsConfig, draft_vocab_ids, load_heads
+from threefold.spec.heads_proposer import EagleProposer
+from threefold.spec.proposer import ROOT, DraftRequest
 from threefold.spec.train import (
+    Batch,
     Sequence,
     draft_vocab_coverage,
+    eagle_passes,
     load_sequences,
     rank_draft_vocab,
     self_distillation_data,
@@ -104,6 +108,45 @@ def test_train_draft_on_the_targets_own_answers(method, smollm2_fp32, own_answer
     assert draft_vocab_ids(tmp_path, config, None).tolist() == ranked.tolist()
     assert draft_vocab_ids(tmp_path, config, 0) is None
     assert recipe["draft_vocab"]["coverage_train"][1024] == 1.0
+
+
+def test_eagle_training_passes_are_the_chain_the_proposer_drafts(smollm2_fp32):
+    """The training-time test's pass d at row t is the head's output on the d-th node of a chain drafted
+    after position t + 1 (fed the true tokens), as EagleProposer absorbs the real pairs and expands the
+    chain: training sees what drafting computes, in right-padded batches too."""
+    torch.manual_seed(0)
+    model = smollm2_fp32.model
+    head = EagleHead(smollm2_fp32.config).eval()
+    long, short = sharegpt_token_sequences(smollm2_fp32.tokenizer, num_tokens=70, seq_len=40)[:2]
+    assert len(long) > len(short)
+    data = target_sequences(model, [long, short])
+    with torch.no_grad():
+        passes = eagle_passes(head, model.embed_tokens.weight, Batch.of(data), depth=3)
+    proposer = EagleProposer(head, model)
+    for row, (ids, sequence) in enumerate(zip([long, short], data, strict=True)):
+        for t in (0, 7, len(ids) - 4):
+            request = DraftRequest(f"r{row}-{t}", ids[: t + 2], 3, sequence.features[: t + 1], 0)
+            with torch.no_grad():
+                state = proposer._absorb(request)
+                features: dict = {}
+                kv: dict = {}
+                proposer._expand(state, t + 1, [0], [ids[t + 2]], [ROOT], features, kv)
+                proposer._expand(state, t + 1, [1], [ids[t + 2], ids[t + 3]], [ROOT, 0], features, kv)
+            for depth, feature in enumerate([state.root_feature, features[0], features[1]]):
+                torch.testing.assert_close(feature, passes[depth][row, t], atol=1e-4, rtol=1e-4)
+
+
+def test_train_draft_eagle_deeper_than_one_draft(smollm2_fp32, own_answers, tmp_path):
+    data, info, _ = own_answers
+    result = train("eagle", smollm2_fp32, tmp_path, steps=10, lr=1e-3, data=data, data_info=info, batch_size=3,
+                   val_fraction=0.25, log_every=0, depth=2, val_every=5)
+    assert result.losses[-1] < 0.7 * result.losses[0], result.losses
+    assert len(result.accuracy) == 2 and result.val_accuracy is not None and len(result.val_accuracy) == 2
+    config, _ = load_heads(tmp_path, smollm2_fp32.config, "smollm2-135m", "eagle")
+    assert config.recipe["depth"] == 2 and [step for step, _ in config.recipe["val_top1_curve"]] == [5]
+    for method, depth in (("eagle", 0), ("medusa", 2)):
+        with pytest.raises(ThreefoldError, match="depth"):
+            train(method, smollm2_fp32, None, data=data, depth=depth)
 
 
 def test_draft_vocabulary_ranks_the_written_tokens_by_count():

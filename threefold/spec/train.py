@@ -20,7 +20,9 @@ learn to predict what the target will say (self-distillation):
 
 - Medusa head i at t: cross-entropy of lm_head(head_i(f_t)) against y_{t+i+1}.
 - EAGLE at t: smooth-L1 of f_hat_{t+1} against f_{t+1}, plus 0.1 x cross-entropy of
-  lm_head(f_hat_{t+1}) against y_{t+1} (EAGLE's regression + classification loss).
+  lm_head(f_hat_{t+1}) against y_{t+1} (EAGLE's regression + classification loss). With
+  --depth D > 1 the head also runs on its own outputs, as it drafts a chain, and each
+  depth d adds the same loss against f_{t+d} and y_{t+d} (EAGLE-3's training-time test).
 """
 
 from __future__ import annotations
@@ -293,21 +295,74 @@ def medusa_loss(heads: MedusaHeads, lm_head: Tensor, batch: Batch) -> tuple[Tens
     return loss, hits
 
 
-def eagle_loss(head: EagleHead, embed: Tensor, lm_head: Tensor, batch: Batch) -> tuple[Tensor, Hits]:
-    """Pairs (f_t, x_{t+1}) at x_{t+1}'s position regress f_{t+1}; 0.1 x CE against y_{t+1}."""
+class _TrainTimeAttention:
+    """AttentionFn over the head's passes so far, for B right-padded sequences of `length` rows each
+    (flattened to [B * length]), keeping each pass's keys and values: pass 1 is causal over its own
+    rows; pass d > 1's row t sees pass 1's rows 0..t (the real pairs) and row t of passes 2..d (its
+    drafted ancestors and itself), as a drafted chain node does in EagleProposer._expand."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        batch, heads, length = q.shape[0] // self.length, q.shape[1], self.length
+        split = lambda x: x.view(batch, length, x.shape[1], -1).repeat_interleave(  # noqa: E731
+            heads // x.shape[1], 2).transpose(1, 2)  # [B, heads, T, head_dim], GQA's KV heads repeated
+        self.keys.append(split(k))
+        self.values.append(split(v))
+        if len(self.keys) == 1:
+            out = F.scaled_dot_product_attention(split(q), self.keys[0], self.values[0], is_causal=True)
+        else:
+            own = torch.eye(length, dtype=torch.bool)
+            mask = torch.cat([torch.ones(length, length, dtype=torch.bool).tril(), *[own] * (len(self.keys) - 1)], 1)
+            out = F.scaled_dot_product_attention(split(q), torch.cat(self.keys, 2), torch.cat(self.values, 2),
+                                                 attn_mask=mask)
+        return out.transpose(1, 2).reshape(batch * length, heads, -1)
+
+
+def _ahead(x: Tensor, offset: int, rows: int) -> Tensor:
+    """x[:, offset : offset + rows], zero-padded where that runs past the end."""
+    out = x.new_zeros((x.shape[0], rows, *x.shape[2:]))
+    out[:, : x.shape[1] - offset] = x[:, offset : offset + rows]
+    return out
+
+
+def eagle_passes(head: EagleHead, embed: Tensor, batch: Batch, depth: int = 1) -> list[Tensor]:
+    """The head's outputs [B, T - 1, hidden] at each depth 1..depth. Pass 1's row t is the real pair
+    (f_t, x_{t+1}) at x_{t+1}'s position, predicting f_{t+1}: what drafts the first token. Pass d's row
+    t is the pair (pass d - 1's output at row t, x_{t+d}) at position t + d, predicting f_{t+d}: the
+    d-th token of a chain drafted after position t + 1, fed the true tokens (EAGLE-3's training-time
+    test; depth 1 is EAGLE-1's training)."""
     size, length, hidden = batch.features.shape
     pairs = length - 1
-    predicted = head(batch.features[:, :pairs].reshape(-1, hidden),
-                     F.embedding(batch.tokens[:, 1:], embed).reshape(-1, hidden),
-                     torch.arange(1, length).repeat(size), batched_causal_attention(pairs)).view(size, pairs, hidden)
-    rows = batch.rows(1)[:, :pairs]
-    predicted = predicted[rows].float()
-    regression = F.smooth_l1_loss(predicted, batch.features[:, 1:][rows])
-    logits = F.linear(predicted, lm_head).float()
-    labels = batch.labels[:, 1:][rows]
-    classification = F.cross_entropy(logits, labels)
-    return regression + EAGLE_CLASSIFICATION_WEIGHT * classification, [
-        (int((logits.argmax(-1) == labels).sum()), len(labels))]
+    attention = _TrainTimeAttention(pairs)
+    inputs, outputs = batch.features[:, :pairs], []
+    for d in range(1, depth + 1):
+        tokens = F.embedding(_ahead(batch.tokens, d, pairs), embed).reshape(-1, hidden)
+        positions = (torch.arange(pairs) + d).repeat(size)
+        inputs = head(inputs.reshape(-1, hidden), tokens, positions, attention).view(size, pairs, hidden)
+        outputs.append(inputs)
+    return outputs
+
+
+def eagle_loss(head: EagleHead, embed: Tensor, lm_head: Tensor, batch: Batch, depth: int = 1) -> tuple[Tensor, Hits]:
+    """Per depth d (eagle_passes): smooth-L1 of the output against f_{t+d}, plus 0.1 x CE of its LM-head
+    logits against y_{t+d}, summed over the depths; the hits per depth."""
+    pairs = batch.features.shape[1] - 1
+    loss, hits = batch.features.new_zeros(()), []
+    for d, predicted in enumerate(eagle_passes(head, embed, batch, depth), start=1):
+        rows = batch.rows(d)[:, :pairs]
+        if not rows.any():
+            break
+        chosen = predicted[rows].float()
+        regression = F.smooth_l1_loss(chosen, _ahead(batch.features, d, pairs)[rows])
+        logits = F.linear(chosen, lm_head).float()
+        labels = _ahead(batch.labels, d, pairs)[rows]
+        loss = loss + regression + EAGLE_CLASSIFICATION_WEIGHT * F.cross_entropy(logits, labels)
+        hits.append((int((logits.argmax(-1) == labels).sum()), len(labels)))
+    return loss, hits
 
 
 def _rates(hits: list[Hits]) -> list[float]:
@@ -335,15 +390,21 @@ def train(method: str, loaded, out_dir: Path | None, num_tokens: int = 200_000, 
           token_sequences: list[list[int]] | None = None, log_every: int = 50,
           save_dtype: str = "float32", command: str | None = None, data: list[Sequence] | None = None,
           data_info: dict | None = None, batch_size: int = 1, val_fraction: float = 0.0,
-          autocast: bool | None = None, draft_vocab_size: int = DRAFT_VOCAB_SIZE) -> TrainResult:
+          autocast: bool | None = None, draft_vocab_size: int = DRAFT_VOCAB_SIZE,
+          val_every: int = 0, depth: int = 1) -> TrainResult:
     """Train heads for `loaded` (a LoadedModel in float32); save them to out_dir if given. The data:
     `data` (e.g. self_distillation_data's), else `token_sequences`, else ShareGPT conversations.
     autocast: matmuls in bf16 (float32 weights, losses and optimizer), by default where the CPU
     has native bf16 (most of a step is the LM head over every counted row). draft_vocab_size: the
     heads' default draft vocabulary, the tokens the target wrote most in the training rows
-    (0: the whole vocabulary)."""
+    (0: the whole vocabulary). val_every: also score the held-out rows every this many steps (the
+    curve goes in the recipe), to see whether more steps would still pay. depth: EAGLE trains on its
+    own outputs this many drafts deep (eagle_passes; 1: EAGLE-1's loss)."""
     if method not in HEAD_METHODS:
         raise ThreefoldError(f"train-draft trains {' or '.join(HEAD_METHODS)} heads, not {method!r}.", param="method")
+    if depth < 1 or (depth > 1 and method != "eagle"):
+        raise ThreefoldError(f"depth={depth}: EAGLE trains 1 or more drafts deep; Medusa heads take depth 1 "
+                             f"(each head is one position).", param="depth")
     if loaded.config.dtype != torch.float32:
         raise ThreefoldError("train heads against the float32 target (load it with dtype='float32').", param="dtype")
     start = time.time()
@@ -371,9 +432,17 @@ def train(method: str, loaded, out_dir: Path | None, num_tokens: int = 200_000, 
             if isinstance(heads, MedusaHeads):
                 return medusa_loss(heads, lm_head, batch)
             assert isinstance(heads, EagleHead)
-            return eagle_loss(heads, embed, lm_head, batch)
+            return eagle_loss(heads, embed, lm_head, batch, depth)
 
-    losses, hits = [], []
+    def validate() -> list[float]:
+        heads.eval()
+        with torch.no_grad():
+            rates = _rates([loss_of(Batch.of(val_data[i : i + batch_size]))[1]
+                            for i in range(0, len(val_data), batch_size)])
+        heads.train()
+        return rates
+
+    losses, hits, val_curve = [], [], []
     batches = _batches(train_data, batch_size, random.Random(seed))
     for step in range(steps):
         loss, step_hits = loss_of(Batch.of(next(batches)))
@@ -387,21 +456,22 @@ def train(method: str, loaded, out_dir: Path | None, num_tokens: int = 200_000, 
         if log_every and step % log_every == 0:
             print(f"step {step}: loss {losses[-1]:.4f} top-1 {[round(a, 3) for a in _rates([step_hits])]} "
                   f"({time.time() - start:.0f} s)", flush=True)
+        if val_data and val_every and (step + 1) % val_every == 0 and step + 1 < steps:
+            val_curve.append((step + 1, [round(a, 4) for a in validate()]))
+            print(f"step {step + 1}: held-out top-1 {val_curve[-1][1]}", flush=True)
+    val_accuracy = validate() if val_data else None
     heads.eval().requires_grad_(False)
     mean_accuracy = _rates(hits[-max(1, math.ceil(len(train_data) / batch_size)):])  # about the last epoch
-    val_accuracy = None
-    if val_data:
-        with torch.no_grad():
-            val_accuracy = _rates([loss_of(Batch.of(val_data[i : i + batch_size]))[1]
-                                   for i in range(0, len(val_data), batch_size)])
     rows = sum(max(0, len(s.token_ids) - s.first_row - 1) for s in train_data)
     config.recipe = {**(data_info or {}), "sequences": len(train_data), "held_out_sequences": len(val_data),
                      "tokens": sum(len(s.token_ids) for s in train_data), "loss_rows": rows,
                      "batch_size": batch_size, "autocast_bf16": autocast,
                      "steps": steps, "epochs": round(steps * batch_size / len(train_data), 2),
-                     "lr": lr, "seed": seed, "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
+                     "lr": lr, "seed": seed, **({"depth": depth} if method == "eagle" else {}),
+                     "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
                      "train_top1": [round(a, 4) for a in mean_accuracy],
                      "val_top1": [round(a, 4) for a in val_accuracy] if val_accuracy else None,
+                     **({"val_top1_curve": val_curve} if val_curve else {}),
                      "wall_seconds": round(time.time() - start, 1), "command": command}
     draft_vocab = rank_draft_vocab(train_data, config.vocab_size)
     config.draft_vocab_size = min(draft_vocab_size, len(draft_vocab))
@@ -466,6 +536,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-vocab-size", type=int, default=DRAFT_VOCAB_SIZE,
                         help="the heads' default draft vocabulary: the N tokens the target wrote most in the "
                              "training rows (0: the whole vocabulary)")
+    parser.add_argument("--depth", type=int, default=1,
+                        help="eagle: also train on the head's own outputs this many drafts deep (EAGLE-3's "
+                             "training-time test; 1: EAGLE-1's loss)")
+    parser.add_argument("--val-every", type=int, default=0,
+                        help="self: score the held-out sequences every this many steps too (0: at the end only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-dtype", default="bfloat16", choices=("float32", "bfloat16"),
                         help="stored weights' dtype (bfloat16 halves the files)")
@@ -489,7 +564,8 @@ def run(args: argparse.Namespace) -> TrainResult:
     result = train(args.method, loaded, Path(args.out), args.num_tokens, args.seq_len, args.steps, args.lr,
                    args.num_heads, args.seed, save_dtype=args.save_dtype, command=" ".join(sys.argv), data=data,
                    data_info=info, batch_size=args.batch_size, val_fraction=val_fraction,
-                   draft_vocab_size=args.draft_vocab_size)
+                   draft_vocab_size=args.draft_vocab_size, val_every=args.val_every,
+                   depth=args.depth)
     print(f"saved {args.method} heads to {args.out}: {result.config.recipe}")
     return result
 
