@@ -12,6 +12,7 @@ from threefold.spec.config import SpeculativeConfig
 from threefold.spec.heads import EagleHead, HeadsConfig, MedusaHeads, save_heads
 from threefold.spec.proposer import ROOT, DraftRequest, make_proposer
 from threefold.spec.train import causal_attention
+from threefold.spec.tree import eagle2_tree
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,7 @@ def test_eagle_chain_matches_brute_force_and_is_incremental(smollm2_fp32, contex
     assert stepped.token_ids == whole.token_ids
     # Recomputed positions (after a preemption) replace the cached ones instead of piling up.
     (again,) = proposer.propose([DraftRequest("b", tokens, 4, hidden[split - 3 :], split - 3)])
-    assert again.token_ids == whole.token_ids and len(proposer.states["b"].positions) == len(hidden)
+    assert again.token_ids == whole.token_ids and proposer.states["b"].length == len(hidden)
     # Without a feature for the newest token there is nothing to draft from.
     assert proposer.propose([DraftRequest("b", [*tokens, 5], 4, None)])[0].token_ids == []
     proposer.remove("b")
@@ -118,6 +119,49 @@ def test_eagle_tree(smollm2_fp32, context, tmp_path):
         node = children[0]
         walked.append(draft.token_ids[node])
     assert walked == path.token_ids[: len(walked)]
+
+
+def brute_force_logprobs(head, model, tokens, hidden, path):
+    """The head's next-token log-probs after drafting `path` (forced tokens), recomputed over every
+    pair from scratch: no cache, no mask but causal."""
+    features, pair_tokens = list(hidden), list(tokens[1:])
+
+    def run():
+        embeds = F.embedding(torch.tensor(pair_tokens), model.embed_tokens.weight)
+        return head(torch.stack(features), embeds, torch.arange(1, len(pair_tokens) + 1), causal_attention)
+
+    with torch.inference_mode():
+        for token in path:
+            features.append(run()[-1])
+            pair_tokens.append(token)
+        return torch.log_softmax(model.compute_logits(run()[-1:])[0], -1)
+
+
+def test_eagle_tree_matches_brute_force_at_every_node(smollm2_fp32, context, tmp_path):
+    """EAGLE-2's tree from the proposer (the head's cache, one masked call per depth) equals the tree
+    grown from brute-force log-probs, each node's recomputed along its own path: every node sees its
+    ancestors and not its cousins."""
+    head = random_heads("eagle", smollm2_fp32, tmp_path)
+    tokens, hidden = context
+    tree = make_proposer(SpeculativeConfig("eagle", 3, model=str(tmp_path), tree_top_k=3, tree_total_tokens=10),
+                         smollm2_fp32)
+    (draft,) = tree.propose([DraftRequest("r", tokens, 3, hidden)])
+
+    def path(node, token_ids, parent_ids):
+        out = []
+        while node != ROOT:
+            out.insert(0, token_ids[node])
+            node = parent_ids[node]
+        return out
+
+    def expand(frontier, token_ids, parent_ids):
+        return torch.stack([brute_force_logprobs(head, smollm2_fp32.model, tokens, hidden,
+                                                 path(n, token_ids, parent_ids)) for n in frontier])
+
+    root = brute_force_logprobs(head, smollm2_fp32.model, tokens, hidden, [])
+    expected = eagle2_tree(root, expand, 3, 3, 10)
+    assert draft.token_ids == expected.token_ids and draft.parent_ids == expected.parent_ids
+    assert len(set(draft.parent_ids)) > 2  # a real tree: several nodes have children
 
 
 def test_heads_found_by_name_under_threefold_home(smollm2_fp32, tmp_path, monkeypatch):

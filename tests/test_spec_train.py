@@ -129,9 +129,9 @@ def test_eagle_training_passes_are_the_chain_the_proposer_drafts(smollm2_fp32):
             with torch.no_grad():
                 state = proposer._absorb(request)
                 features: dict = {}
-                kv: dict = {}
-                proposer._expand(state, t + 1, [0], [ids[t + 2]], [ROOT], features, kv)
-                proposer._expand(state, t + 1, [1], [ids[t + 2], ids[t + 3]], [ROOT, 0], features, kv)
+                slots: dict = {}
+                proposer._expand(state, t + 1, [0], [ids[t + 2]], [ROOT], features, slots)
+                proposer._expand(state, t + 1, [1], [ids[t + 2], ids[t + 3]], [ROOT, 0], features, slots)
             for depth, feature in enumerate([state.root_feature, features[0], features[1]]):
                 torch.testing.assert_close(feature, passes[depth][row, t], atol=1e-4, rtol=1e-4)
 

@@ -14,7 +14,6 @@ Index convention: the sequence is x_0 .. x_{L-1}; the target has computed f_0 ..
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +24,7 @@ from threefold.model.llama import Linear, use_kernels_in
 from threefold.spec.config import SpeculativeConfig
 from threefold.spec.heads import EagleHead, MedusaHeads, draft_vocab_ids, load_heads
 from threefold.spec.proposer import ROOT, Draft, DraftRequest, Proposer
-from threefold.spec.tree import eagle2_tree, masked_attention, medusa_tree, node_depths
+from threefold.spec.tree import eagle2_tree, medusa_tree, node_depths
 
 logger = logging.getLogger(__name__)
 
@@ -120,33 +119,69 @@ class MedusaProposer(Proposer):
         return drafts
 
 
-@dataclass
 class _EagleState:
-    keys: Tensor
-    """[P, kv_heads, head_dim] the head's keys over the real pairs so far."""
-    values: Tensor
-    positions: Tensor
-    """[P] each cached pair's position (x_{j+1}'s): gaps are fine (prefix-cache hits)."""
-    root_feature: Tensor | None = None
-    """f_hat_{L-1}: the head's output on the newest real pair."""
-    root_position: int = -1
+    """One request's cache of the head's keys and values (float32: the batched matmuls over views of it
+    take MKL's strided path; bf16 ones copied): rows [0, length) are the real pairs so far,
+    in position order; the rows after them hold this step's drafted nodes (overwritten each step).
+    Kept [kv_heads, capacity, head_dim], grown by doubling, so a step appends in place and attention
+    reads a view, instead of copying the context per drafted token."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        self.keys = torch.empty(kv_heads, 64, head_dim, dtype=dtype)
+        self.values = torch.empty_like(self.keys)
+        self.positions = torch.empty(64, dtype=torch.long)
+        """Each real pair's position (x_{j+1}'s): gaps are fine (prefix-cache hits)."""
+        self.length = 0
+        self.root_feature: Tensor | None = None
+        """f_hat_{L-1}: the head's output on the newest real pair."""
+        self.root_position = -1
+
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` rows in all."""
+        capacity = self.keys.shape[1]
+        if rows <= capacity:
+            return
+        while capacity < rows:
+            capacity *= 2
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            grown = old.new_empty(old.shape[0], capacity, old.shape[2])
+            grown[:, : self.length] = old[:, : self.length]
+            setattr(self, name, grown)
+        positions = self.positions.new_empty(capacity)
+        positions[: self.length] = self.positions[: self.length]
+        self.positions = positions
 
 
-class _CaptureAttention:
-    """AttentionFn over cached keys (visible per row) plus the rows themselves (self_mask);
-    keeps the rows' k and v for the caller."""
+class _SlotAttention:
+    """AttentionFn for rows written at slots [start, start + rows) of a _EagleState: stores their keys
+    and values there, then attends over slots [0, start + rows) where `visible` [rows, start + rows]
+    allows (None: all of them)."""
 
-    def __init__(self, past_k: Tensor, past_v: Tensor, past_visible: Tensor, self_mask: Tensor, scale: float):
-        self.past_k, self.past_v, self.past_visible, self.self_mask, self.scale = (
-            past_k, past_v, past_visible, self_mask, scale)
-        self.k: Tensor = past_k[:0]  # set by the call
-        self.v: Tensor = past_v[:0]
+    def __init__(self, state: _EagleState, start: int, visible: Tensor | None, scale: float) -> None:
+        self.state, self.start, self.visible, self.scale = state, start, visible, scale
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        self.k, self.v = k.contiguous(), v.contiguous()
-        visible = torch.cat([self.past_visible, self.self_mask], dim=1)
-        return masked_attention(q, torch.cat([self.past_k, self.k]), torch.cat([self.past_v, self.v]), visible,
-                                self.scale)
+        state, end = self.state, self.start + q.shape[0]
+        state.reserve(end)
+        state.keys[:, self.start : end] = k.transpose(0, 1)
+        state.values[:, self.start : end] = v.transpose(0, 1)
+        return _gqa_attention(q, state.keys[:, :end], state.values[:, :end], self.visible, self.scale)
+
+
+def _gqa_attention(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor | None, scale: float) -> Tensor:
+    """q [R, Hq, D] over keys/values [Hkv, S, D] where visible [R, S] allows (None: all): two batched
+    matmuls over the KV heads, each query head reading its group's keys in place (no repeated copy
+    of the context), in the keys' dtype."""
+    rows, heads, dim = q.shape
+    kv_heads = keys.shape[0]
+    group = heads // kv_heads
+    grouped = q.view(rows, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, rows * group, dim)
+    scores = torch.bmm(grouped.to(keys.dtype), keys.transpose(1, 2)) * scale  # [Hkv, R * group, S]
+    if visible is not None:
+        scores.masked_fill_(~visible.repeat_interleave(group, 0)[None], float("-inf"))
+    out = torch.bmm(scores.softmax(-1), values)  # [Hkv, R * group, D]
+    return out.view(kv_heads, rows, group, dim).transpose(0, 1).reshape(rows, heads, dim).to(q.dtype)
 
 
 class EagleProposer(Proposer):
@@ -185,10 +220,10 @@ class EagleProposer(Proposer):
         top_k = self.top_k
         total = request.num_drafts if top_k == 1 else (self.total_tokens or request.num_drafts * top_k)
         features: dict[int, Tensor] = {}
-        kv: dict[int, tuple[Tensor, Tensor]] = {}
+        slots: dict[int, int] = {}
 
         def expand(frontier: list[int], tokens: list[int], parents: list[int]) -> Tensor:
-            return self._expand(state, last, frontier, tokens, parents, features, kv)
+            return self._expand(state, last, frontier, tokens, parents, features, slots)
 
         draft = eagle2_tree(root_logprobs, expand, request.num_drafts, top_k, total)  # draft-vocabulary indices
         token_ids = self.lm_head.token_ids(draft.token_ids)
@@ -198,23 +233,25 @@ class EagleProposer(Proposer):
         """Run the head over the newly computed real pairs and cache their keys/values."""
         state = self.states.get(request.request_id)
         if state is None:
-            empty = torch.empty(0, self.head.arch.num_kv_heads, self.head.arch.head_dim, dtype=self.dtype)
-            no_positions = torch.empty(0, dtype=torch.long)
-            state = self.states[request.request_id] = _EagleState(empty, empty.clone(), no_positions)
+            arch = self.head.arch
+            state = self.states[request.request_id] = _EagleState(arch.num_kv_heads, arch.head_dim, torch.float32)
         hidden = request.hidden_states
         if hidden is None or len(hidden) == 0:
             return state
         start = request.hidden_start
         num = min(len(hidden), len(request.token_ids) - 1 - start)  # pair j needs x_{j+1}
-        keep = state.positions <= start  # recomputed positions (after preemption) replace old ones
-        state.keys, state.values, state.positions = state.keys[keep], state.values[keep], state.positions[keep]
+        # Recomputed positions (after preemption) replace the cached ones: positions are increasing.
+        state.length = int((state.positions[: state.length] <= start).sum())
         positions = torch.arange(start + 1, start + 1 + num)
         tokens = torch.tensor(request.token_ids[start + 1 : start + 1 + num])
-        capture = _CaptureAttention(state.keys, state.values, torch.ones(num, len(state.positions), dtype=torch.bool),
-                                    torch.ones(num, num, dtype=torch.bool).tril(), self.scale)
-        predicted = self.head(hidden[:num].to(self.dtype), self._embed(tokens), positions, capture)
-        state.keys, state.values = torch.cat([state.keys, capture.k]), torch.cat([state.values, capture.v])
-        state.positions = torch.cat([state.positions, positions])
+        visible = None
+        if num > 1:  # the new rows are causal among themselves
+            visible = torch.ones(num, state.length + num, dtype=torch.bool)
+            visible[:, state.length :] = visible[:, state.length :].tril()
+        attention = _SlotAttention(state, state.length, visible, self.scale)
+        predicted = self.head(hidden[:num].to(self.dtype), self._embed(tokens), positions, attention)
+        state.positions[state.length : state.length + num] = positions
+        state.length += num
         state.root_feature, state.root_position = predicted[-1], start + num
         return state
 
@@ -222,29 +259,28 @@ class EagleProposer(Proposer):
         return F.embedding(tokens, self.target_model.embed_tokens.weight).to(self.dtype)
 
     def _expand(self, state: _EagleState, last: int, frontier: list[int], tokens: list[int], parents: list[int],
-                features: dict[int, Tensor], kv: dict[int, tuple[Tensor, Tensor]]) -> Tensor:
+                features: dict[int, Tensor], slots: dict[int, int]) -> Tensor:
         """The head on the pairs (parent's f_hat, node's token) for each frontier node, attending to
-        the real pairs and the node's drafted ancestors; returns next-token log-probs [F, vocab]."""
-        expanded = list(kv)
-        depths = node_depths(parents)
-        visible = torch.zeros(len(frontier), len(expanded), dtype=torch.bool)
+        the real pairs and the node's drafted ancestors; returns next-token log-probs [F, vocab].
+        slots: each expanded node's row in the state, after the real pairs (filled here)."""
+        start = state.length + len(slots)
+        mask = torch.zeros(len(frontier), start + len(frontier), dtype=torch.bool)
+        mask[:, : state.length] = True  # each row sees the real pairs, its drafted ancestors and itself
         for row, node in enumerate(frontier):
+            mask[row, start + row] = True
             ancestor = parents[node]
             while ancestor != ROOT:
-                visible[row, expanded.index(ancestor)] = True
+                mask[row, slots[ancestor]] = True
                 ancestor = parents[ancestor]
-        past_k = torch.cat([state.keys, *[kv[n][0] for n in expanded]])
-        past_v = torch.cat([state.values, *[kv[n][1] for n in expanded]])
-        past_visible = torch.cat([torch.ones(len(frontier), len(state.positions), dtype=torch.bool), visible], 1)
-        capture = _CaptureAttention(past_k, past_v, past_visible, torch.eye(len(frontier), dtype=torch.bool),
-                                    self.scale)
+        visible = None if bool(mask.all()) else mask  # a chain sees every row: no mask
         root = state.root_feature
         assert root is not None  # propose() refreshed it before expanding
         parent_features = torch.stack([root if parents[n] == ROOT else features[parents[n]] for n in frontier])
+        depths = node_depths(parents)
         positions = torch.tensor([last + depths[n] for n in frontier])
         predicted = self.head(parent_features, self._embed(torch.tensor(self.lm_head.token_ids(
-            [tokens[n] for n in frontier]))), positions, capture)
+            [tokens[n] for n in frontier]))), positions, _SlotAttention(state, start, visible, self.scale))
         for row, node in enumerate(frontier):
             features[node] = predicted[row]
-            kv[node] = (capture.k[row : row + 1], capture.v[row : row + 1])
+            slots[node] = start + row
         return torch.log_softmax(self.lm_head(predicted), -1)
