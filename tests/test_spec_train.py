@@ -144,6 +144,12 @@ def test_train_draft_eagle_deeper_than_one_draft(smollm2_fp32, own_answers, tmp_
     assert len(result.accuracy) == 2 and result.val_accuracy is not None and len(result.val_accuracy) == 2
     config, _ = load_heads(tmp_path, smollm2_fp32.config, "smollm2-135m", "eagle")
     assert config.recipe["depth"] == 2 and [step for step, _ in config.recipe["val_top1_curve"]] == [5]
+    # --init starts from saved heads (here not moved: lr 0), e.g. EAGLE-1 heads trained on deeper.
+    again = train("eagle", smollm2_fp32, None, steps=1, lr=0.0, data=data, data_info=info, batch_size=3,
+                  log_every=0, depth=3, init=tmp_path)
+    assert again.config.recipe["init"] == str(tmp_path) and len(again.accuracy) == 3
+    for name, tensor in result.heads.state_dict().items():
+        torch.testing.assert_close(again.heads.state_dict()[name], tensor)
     for method, depth in (("eagle", 0), ("medusa", 2)):
         with pytest.raises(ThreefoldError, match="depth"):
             train(method, smollm2_fp32, None, data=data, depth=depth)

@@ -43,7 +43,15 @@ from torch import Tensor
 
 from threefold.cpu import has_native_bf16
 from threefold.errors import ThreefoldError
-from threefold.spec.heads import HEAD_METHODS, EagleHead, HeadsConfig, MedusaHeads, build_heads, save_heads
+from threefold.spec.heads import (
+    HEAD_METHODS,
+    EagleHead,
+    HeadsConfig,
+    MedusaHeads,
+    build_heads,
+    load_heads,
+    save_heads,
+)
 
 EAGLE_CLASSIFICATION_WEIGHT = 0.1
 DATA_MODES = ("self", "sharegpt")
@@ -391,7 +399,7 @@ def train(method: str, loaded, out_dir: Path | None, num_tokens: int = 200_000, 
           save_dtype: str = "float32", command: str | None = None, data: list[Sequence] | None = None,
           data_info: dict | None = None, batch_size: int = 1, val_fraction: float = 0.0,
           autocast: bool | None = None, draft_vocab_size: int = DRAFT_VOCAB_SIZE,
-          val_every: int = 0, depth: int = 1) -> TrainResult:
+          val_every: int = 0, depth: int = 1, init: Path | None = None) -> TrainResult:
     """Train heads for `loaded` (a LoadedModel in float32); save them to out_dir if given. The data:
     `data` (e.g. self_distillation_data's), else `token_sequences`, else ShareGPT conversations.
     autocast: matmuls in bf16 (float32 weights, losses and optimizer), by default where the CPU
@@ -399,7 +407,8 @@ def train(method: str, loaded, out_dir: Path | None, num_tokens: int = 200_000, 
     heads' default draft vocabulary, the tokens the target wrote most in the training rows
     (0: the whole vocabulary). val_every: also score the held-out rows every this many steps (the
     curve goes in the recipe), to see whether more steps would still pay. depth: EAGLE trains on its
-    own outputs this many drafts deep (eagle_passes; 1: EAGLE-1's loss)."""
+    own outputs this many drafts deep (eagle_passes; 1: EAGLE-1's loss). init: start from the heads
+    saved there (e.g. EAGLE-1 heads, trained on further at a greater depth) instead of fresh ones."""
     if method not in HEAD_METHODS:
         raise ThreefoldError(f"train-draft trains {' or '.join(HEAD_METHODS)} heads, not {method!r}.", param="method")
     if depth < 1 or (depth > 1 and method != "eagle"):
@@ -418,7 +427,13 @@ def train(method: str, loaded, out_dir: Path | None, num_tokens: int = 200_000, 
     train_data, val_data = data[: len(data) - held_out], data[len(data) - held_out :]
     config = HeadsConfig(method, loaded.config.hidden_size, loaded.config.vocab_size, loaded.name,
                          num_heads if method == "medusa" else 1, save_dtype)
-    heads = build_heads(config, loaded.config).train().requires_grad_(True)
+    heads = build_heads(config, loaded.config)
+    if init is not None:
+        init_config, trained = load_heads(init, loaded.config, loaded.name, method)
+        if method == "medusa" and init_config.num_heads != num_heads:
+            raise ThreefoldError(f"{init} holds {init_config.num_heads} Medusa heads, not {num_heads}.", param="init")
+        heads.load_state_dict(trained.state_dict())
+    heads = heads.train().requires_grad_(True)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _warmup_cosine(s, steps))
     lm_head, embed = model.lm_head.weight, model.embed_tokens.weight
@@ -468,6 +483,7 @@ def train(method: str, loaded, out_dir: Path | None, num_tokens: int = 200_000, 
                      "batch_size": batch_size, "autocast_bf16": autocast,
                      "steps": steps, "epochs": round(steps * batch_size / len(train_data), 2),
                      "lr": lr, "seed": seed, **({"depth": depth} if method == "eagle" else {}),
+                     **({"init": str(init)} if init is not None else {}),
                      "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
                      "train_top1": [round(a, 4) for a in mean_accuracy],
                      "val_top1": [round(a, 4) for a in val_accuracy] if val_accuracy else None,
@@ -539,6 +555,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depth", type=int, default=1,
                         help="eagle: also train on the head's own outputs this many drafts deep (EAGLE-3's "
                              "training-time test; 1: EAGLE-1's loss)")
+    parser.add_argument("--init", default=None,
+                        help="start from the heads in this directory (trained for the same target) instead of fresh "
+                             "ones")
     parser.add_argument("--val-every", type=int, default=0,
                         help="self: score the held-out sequences every this many steps too (0: at the end only)")
     parser.add_argument("--seed", type=int, default=0)
@@ -565,7 +584,7 @@ def run(args: argparse.Namespace) -> TrainResult:
                    args.num_heads, args.seed, save_dtype=args.save_dtype, command=" ".join(sys.argv), data=data,
                    data_info=info, batch_size=args.batch_size, val_fraction=val_fraction,
                    draft_vocab_size=args.draft_vocab_size, val_every=args.val_every,
-                   depth=args.depth)
+                   depth=args.depth, init=Path(args.init).expanduser() if args.init else None)
     print(f"saved {args.method} heads to {args.out}: {result.config.recipe}")
     return result
 
