@@ -89,8 +89,10 @@ bench-decode: setup
 HEADS := $${THREEFOLD_HOME:-$$HOME/.cache/threefold}/heads
 SELF_DATA := --data self --num-prompts 1200 --max-new-tokens 128 --batch-size 8
 heads: setup
+	$(BIN)/threefold train-draft --method eagle --model smollm2-135m --out $(HEADS)/smollm2-135m-eagle-1 \
+		$(SELF_DATA) --steps 2400 --lr 1e-3 --val-every 300
 	$(BIN)/threefold train-draft --method eagle --model smollm2-135m --out $(HEADS)/smollm2-135m-eagle \
-		$(SELF_DATA) --steps 200 --lr 1e-3
+		$(SELF_DATA) --steps 300 --lr 3e-4 --depth 3 --init $(HEADS)/smollm2-135m-eagle-1 --val-every 100
 	$(BIN)/threefold train-draft --method medusa --model smollm2-135m --out $(HEADS)/smollm2-135m-medusa \
 		$(SELF_DATA) --steps 80 --lr 2e-3 --num-heads 4
 
