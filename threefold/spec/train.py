@@ -105,12 +105,21 @@ def batched_causal_attention(length: int):
     """An AttentionFn for B right-padded sequences of `length` rows each, flattened to [B * length]:
     causal within each sequence (a real row never sees its sequence's padding, which comes after it)."""
     def attention(layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        batch, heads = q.shape[0] // length, q.shape[1]
-        split = lambda x: x.view(batch, length, x.shape[1], -1).repeat_interleave(  # noqa: E731
-            heads // x.shape[1], 2).transpose(1, 2)  # [B, heads, T, head_dim], GQA's KV heads repeated
-        out = F.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=True)
-        return out.transpose(1, 2).reshape(batch * length, heads, -1)
+        heads = q.shape[1]
+        out = F.scaled_dot_product_attention(_per_sequence(q, length, heads), _per_sequence(k, length, heads),
+                                             _per_sequence(v, length, heads), is_causal=True)
+        return _flattened(out)
     return attention
+
+
+def _per_sequence(x: Tensor, length: int, heads: int) -> Tensor:
+    """[B * length, kv_heads, head_dim] rows -> [B, heads, length, head_dim], GQA's KV heads repeated."""
+    return x.view(-1, length, x.shape[1], x.shape[2]).repeat_interleave(heads // x.shape[1], 2).transpose(1, 2)
+
+
+def _flattened(out: Tensor) -> Tensor:
+    """[B, heads, length, head_dim] -> [B * length, heads, head_dim]."""
+    return out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])
 
 
 def _conversation_messages(record) -> list[dict]:
@@ -315,25 +324,23 @@ class _TrainTimeAttention:
         self.values: list[Tensor] = []
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        batch, heads, length = q.shape[0] // self.length, q.shape[1], self.length
-        split = lambda x: x.view(batch, length, x.shape[1], -1).repeat_interleave(  # noqa: E731
-            heads // x.shape[1], 2).transpose(1, 2)  # [B, heads, T, head_dim], GQA's KV heads repeated
-        self.keys.append(split(k))
-        self.values.append(split(v))
+        heads, length = q.shape[1], self.length
+        self.keys.append(_per_sequence(k, length, heads))
+        self.values.append(_per_sequence(v, length, heads))
+        queries = _per_sequence(q, length, heads)
         if len(self.keys) == 1:
-            out = F.scaled_dot_product_attention(split(q), self.keys[0], self.values[0], is_causal=True)
-        else:
-            own = torch.eye(length, dtype=torch.bool)
-            mask = torch.cat([torch.ones(length, length, dtype=torch.bool).tril(), *[own] * (len(self.keys) - 1)], 1)
-            out = F.scaled_dot_product_attention(split(q), torch.cat(self.keys, 2), torch.cat(self.values, 2),
-                                                 attn_mask=mask)
-        return out.transpose(1, 2).reshape(batch * length, heads, -1)
+            return _flattened(F.scaled_dot_product_attention(queries, self.keys[0], self.values[0], is_causal=True))
+        own = torch.eye(length, dtype=torch.bool)
+        mask = torch.cat([torch.ones(length, length, dtype=torch.bool).tril(), *[own] * (len(self.keys) - 1)], 1)
+        return _flattened(F.scaled_dot_product_attention(queries, torch.cat(self.keys, 2), torch.cat(self.values, 2),
+                                                         attn_mask=mask))
 
 
 def _ahead(x: Tensor, offset: int, rows: int) -> Tensor:
     """x[:, offset : offset + rows], zero-padded where that runs past the end."""
     out = x.new_zeros((x.shape[0], rows, *x.shape[2:]))
-    out[:, : x.shape[1] - offset] = x[:, offset : offset + rows]
+    n = min(rows, max(0, x.shape[1] - offset))
+    out[:, :n] = x[:, offset : offset + n]
     return out
 
 
