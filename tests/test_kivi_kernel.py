@@ -122,7 +122,7 @@ def test_engine_kivi4_with_the_kernel_matches_the_torch_path(make_llm, smollm2_f
     swaps them too) to a whole fp16 step, which 8 tokens through 30 layers grow to ~1e-2 in logprob;
     the kernel's fp16-window arithmetic is checked step by step above."""
     monkeypatch.setattr("threefold.worker.model_runner.window_dtype", lambda dtype: dtype)
-    llm = make_llm(kv_cache_dtype="kivi4:group=16,residual=16", max_num_batched_tokens=24,
+    llm = make_llm(kv_cache_dtype="kivi4:group=16,residual=32", max_num_batched_tokens=24,
                    enable_prefix_caching=False)
     runner = llm.engine.core.runner
     assert runner.kernels is native_kernels_or_skip

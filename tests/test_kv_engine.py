@@ -109,7 +109,7 @@ def test_no_prefix_cache_reuse_across_codecs(make_llm):
 
 
 # ---- KIVI: a full-precision window per request beside the quantized blocks -------------------
-KIVI = "kivi2:group=16,residual=16"
+KIVI = "kivi2:group=16,residual=32"
 """2-bit, and a window small enough that these prompts' first blocks are quantized mid-run."""
 KIVI_PROMPTS = [" ".join([p] * 4) for p in PROMPTS[:5]]  # 20-50 tokens, + 12 generated
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from window_rules import oracle_quantized_len
 
 from threefold.errors import ThreefoldError
 from threefold.kv.codecs.kivi import unpack
@@ -169,7 +170,7 @@ def test_window_tokens_are_exact_and_blocks_read_as_compressed():
              for b in range(0, 32, bs)]  # one block at a time, as they fill
     kc, vc = torch.cat([p[0][0] for p in parts]), torch.cat([p[1][0] for p in parts])
     for p in range(n):
-        nq = max(0, (p + 1 - codec.residual) // bs * bs)  # KIVI's rule: blocks below n - R are compressed
+        nq = oracle_quantized_len(p + 1, codec.residual, bs)  # KIVI's rule: at most R tokens stay exact
         keys = torch.cat([kc[:nq], k[nq:p + 1]]).repeat_interleave(2, 1)
         values = torch.cat([vc[:nq], v[nq:p + 1]]).repeat_interleave(2, 1)
         weights = torch.softmax(torch.einsum("hd,nhd->hn", q[p], keys) * d ** -0.5, -1)

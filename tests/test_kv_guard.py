@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from window_rules import oracle_quantized_len
 
 from threefold.config import CacheConfig
 from threefold.errors import ThreefoldError
@@ -91,7 +92,7 @@ MIX = f"mix:{KIVI}@0-9;int8@10-19;auto@20-29"
 
 def _oracle_attention(codecs, block_size):
     """Whole-sequence attention where layer l reads K/V as its codec stores them: int8 rows
-    round-tripped; KIVI row p reads keys below nq(p + 1) = floor_B(p + 1 - R) from whole
+    round-tripped; KIVI row p reads keys below nq(p + 1) (tests/window_rules.py) from whole
     quantized blocks and the rest exact (kv/codecs/kivi.py, worker/kivi_attention.py)."""
     def attend(layer, q, k, v):
         codec, n = codecs[layer], k.shape[0]
@@ -102,7 +103,7 @@ def _oracle_attention(codecs, block_size):
             kq, vq = codec.dequantize(*codec.quantize(torch.cat([k, k[:pad]]).view(blocks),
                                                       torch.cat([v, v[:pad]]).view(blocks)))
             kq, vq = kq.flatten(0, 1)[:n], vq.flatten(0, 1)[:n]
-            nq = ((torch.arange(1, n + 1) - codec.residual) // block_size * block_size).clamp(min=0)
+            nq = torch.tensor([oracle_quantized_len(p, codec.residual, block_size) for p in range(1, n + 1)])
             quantized = torch.arange(n)[None, :] < nq[:, None]  # [row, key]
             keys = torch.where(quantized[..., None, None], kq[None], k[None])  # [row, key, kvh, d]
             values = torch.where(quantized[..., None, None], vq[None], v[None])
@@ -130,7 +131,7 @@ def test_a_mix_reads_each_layer_through_its_codec(make_llm, smollm2_fp32):
     assert core.cache_info["kv_cache_dtype"] == f"mix:{KIVI}@0-9;int8@10-19;auto@20-29"
     assert core.runner.bytes_per_block() == 10 * sum(c.bytes_per_block(16) for c in (kivi, int8, auto))
     # fp16 windows beside the fp32 model (kv/window.py: window_dtype)
-    assert core.cache_info["window_bytes_per_seq"] == 10 * 2 * (16 + 16) * config.num_kv_heads * config.head_dim * 2
+    assert core.cache_info["window_bytes_per_seq"] == 10 * 2 * 16 * config.num_kv_heads * config.head_dim * 2
     assert core.cache_info["layer_codecs"][9:11] == [KIVI, "int8"]
     ids = smollm2_fp32.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)[:72]
     got = llm.score_distributions([ids])[0]  # chunks of 16: later chunks read earlier ones back

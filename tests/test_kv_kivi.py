@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from window_rules import oracle_quantized_len
 
 from threefold.errors import ThreefoldError
 from threefold.kv.codecs.kivi import unpack
@@ -144,7 +145,7 @@ def _run(cache, arena, codec, q, k, v, chunks, start=0):
 
 
 def _reference(codec, q, k, v, residual, start=0):
-    """Row p: keys j < nq(p + 1) as quantized, the rest exact; nq(n) = max(start, floor_BS(n - R))."""
+    """Row p: keys j < nq(p + 1) as quantized, the rest exact (tests/window_rules.py)."""
     n = k.shape[0]
     pad = -n % BS
     kq, vq = codec.dequantize(*codec.quantize(torch.cat([k, k[:pad]]).view(-1, BS, KVH, D),
@@ -152,7 +153,7 @@ def _reference(codec, q, k, v, residual, start=0):
     kq, vq = kq.flatten(0, 1)[:n], vq.flatten(0, 1)[:n]
     out = torch.empty(n, HEADS, D)
     for p in range(n):
-        nq = max(start, (p + 1 - residual) // BS * BS)
+        nq = oracle_quantized_len(p + 1, residual, BS, start)
         keys = torch.cat([kq[:nq], k[nq : p + 1]]).repeat_interleave(HEADS // KVH, 1)  # [p + 1, H, d]
         values = torch.cat([vq[:nq], v[nq : p + 1]]).repeat_interleave(HEADS // KVH, 1)
         weights = torch.softmax(torch.einsum("hd,nhd->hn", q[p], keys) * D ** -0.5, dim=-1)
@@ -180,17 +181,20 @@ def test_tokens_inside_the_window_are_exact_and_change_when_they_leave():
     q, k, v = _qkv(45)
     exact = _reference(codec, q, k, v, residual=10 ** 6)  # attention over exact K/V (`auto`)
     got = _run(cache, arena, codec, q, k, v, [1] * 45)
-    # Rows that see fewer than R + 1 tokens read no quantized key: exact up to summation order.
+    # Rows that see at most R tokens read no quantized key: exact up to summation order.
     torch.testing.assert_close(got[:16], exact[:16], atol=1e-6, rtol=1e-6)
-    assert (got[24:] - exact[24:]).abs().amax() > 1e-3  # from p + 1 = 24 on, block 0 is quantized
-    ring = arena.ring[0, :, 0]  # the window holds the last R + B positions bit for bit
+    assert (got[16:] - exact[16:]).abs().amax() > 1e-3  # from p + 1 = 17 on, block 0 is quantized
+    assert arena.size == 16  # the ring is R tokens: never more than R are exact
+    ring = arena.ring[0, :, 0]  # the window holds the last R positions bit for bit
     slots = torch.arange(45 - arena.size, 45) % arena.size
     assert torch.equal(ring[0][slots], k[45 - arena.size:]) and torch.equal(ring[1][slots], v[45 - arena.size:])
     # A token is read exact while inside the window and quantized from the step it leaves:
-    # position 3 (block 0) is exact at n = 23 and quantized at n = 24.
-    before = _run(*_setup("kivi2:group=8,residual=16")[1:], codec, q[:23], k[:23], v[:23], [23])
-    torch.testing.assert_close(before[-1], _reference(codec, q[:23], k[:23], v[:23], 10 ** 6)[-1],
+    # position 3 (block 0) is exact at n = 16 and quantized at n = 17.
+    before = _run(*_setup("kivi2:group=8,residual=16")[1:], codec, q[:16], k[:16], v[:16], [16])
+    torch.testing.assert_close(before[-1], _reference(codec, q[:16], k[:16], v[:16], 10 ** 6)[-1],
                                atol=1e-6, rtol=1e-6)
+    after = _run(*_setup("kivi2:group=8,residual=16")[1:], codec, q[:17], k[:17], v[:17], [17])
+    assert (after[-1] - _reference(codec, q[:17], k[:17], v[:17], 10 ** 6)[-1]).abs().amax() > 1e-3
 
 
 def test_a_prefix_hit_starts_with_its_tokens_quantized():
@@ -210,7 +214,7 @@ def test_capacity_rows_set_the_windows_aside():
 
     config = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
     row = capacity_rows(config, 256 << 20, codecs=("kivi2",))[0]
-    window = 30 * 2 * (128 + 32) * 3 * 64 * 2  # R + one block of bf16 K and V, every layer
+    window = 30 * 2 * 128 * 3 * 64 * 2  # R tokens of bf16 K and V, every layer
     assert row["kv_cache_dtype"] == "kivi2:group=32,residual=128" and row["window_bytes_per_seq"] == window
     assert row["max_num_seqs"] == (128 << 20) // window
     # 2-bit K and V codes, fp16 scale + zero per 32 tokens of a key channel and per 32 channels of a value
@@ -219,5 +223,5 @@ def test_capacity_rows_set_the_windows_aside():
     # planned for 2k-token requests (blocks of 2048 * 4320 bytes beside each window): fewer windows,
     # more blocks, and every window has the blocks of one such request
     row = capacity_rows(config, 256 << 20, codecs=("kivi2",), max_model_len=2048)[0]
-    assert row["max_num_seqs"] == int((256 << 20) * window / (window + 2048 * 4320)) // window == 21
+    assert row["max_num_seqs"] == int((256 << 20) * window / (window + 2048 * 4320)) // window == 22
     assert row["capacity_tokens"] // 2048 >= row["max_num_seqs"]

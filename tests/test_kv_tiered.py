@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from window_rules import oracle_quantized_len
 
 from threefold.errors import ThreefoldError
 from threefold.kv.codecs.kivi import unpack
@@ -102,12 +103,12 @@ def test_bytes_counted_for_blocks_band_and_sinks():
     storage = codec.allocate(4, 32, torch.device("cpu"))
     assert sum(t.nbytes for t in vars(storage).values()) == 4 * codec.bytes_per_block(32)
     shape = ArenaShape.of([codec] * 30, 32)
-    assert (shape.layers, shape.size, shape.band, shape.sink) == (30, 160, 672, 4)
+    assert (shape.layers, shape.size, shape.band, shape.sink) == (30, 128, 640, 4)
     arena = WindowArena(shape, 2, 3, 64, torch.bfloat16, torch.device("cpu"))
     stored = arena.ring.nbytes + arena.band.nbytes + arena.sinks.nbytes
     assert stored == 2 * shape.bytes_per_slot(3, 64, torch.bfloat16)
-    # per layer and request: a kivi2 window (160 bf16 tokens) + 672 tokens' low planes + 4 sinks, K and V
-    assert shape.bytes_per_slot(3, 64, torch.bfloat16) == 30 * 2 * 3 * ((160 + 4) * 64 * 2 + 672 * 16)
+    # per layer and request: a kivi2 window (128 bf16 tokens) + 640 tokens' low planes + 4 sinks, K and V
+    assert shape.bytes_per_slot(3, 64, torch.bfloat16) == 30 * 2 * 3 * ((128 + 4) * 64 * 2 + 640 * 16)
 
 
 def test_capacity_rows_set_the_band_and_sinks_aside():
@@ -118,14 +119,17 @@ def test_capacity_rows_set_the_band_and_sinks_aside():
     config = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
     kivi2, tiered = capacity_rows(config, 256 << 20, codecs=("kivi2", "tiered"), max_model_len=4096)
     assert tiered["bytes_per_token"] == kivi2["bytes_per_token"] == 4320  # the blocks are kivi2 blocks
-    assert tiered["window_bytes_per_seq"] == kivi2["window_bytes_per_seq"] + 30 * 2 * 3 * (4 * 64 * 2 + 672 * 16)
+    assert tiered["window_bytes_per_seq"] == kivi2["window_bytes_per_seq"] + 30 * 2 * 3 * (4 * 64 * 2 + 640 * 16)
     assert tiered["max_num_seqs"] < kivi2["max_num_seqs"]  # the band's bytes bound how many run at once
-    assert tiered["capacity_tokens"] // 4096 >= tiered["max_num_seqs"]
+    # its window is under a quarter of one 4k request's blocks: the arena gets its floor share (kv/window.py)
+    window, plan = tiered["window_bytes_per_seq"], 4096 * 4320
+    assert window / (window + plan) < 0.25 and tiered["max_num_seqs"] == (64 << 20) // window
+    assert tiered["capacity_tokens"] == ((256 << 20) - tiered["max_num_seqs"] * window) // (32 * 4320) * 32
 
 
 # ---- the age rules -----------------------------------------------------------------------------
 def _reference(codec, q, k, v, bs, start=0):
-    """Row p of a sequence read token by token: keys at nq = max(start, floor_B(p + 1 - R)) and above
+    """Row p of a sequence read token by token: keys at nq (tests/window_rules.py) and above
     exact; [nm, nq) at 4 bits (nm = max(start, nq - M)); below nm 2 bits; the first S exact when
     start = 0 (once quantized). Blocks quantized whole, one at a time, as `_ref_group` does."""
     n, kvh, d = k.shape
@@ -138,7 +142,7 @@ def _reference(codec, q, k, v, bs, start=0):
     k_mid, v_mid = codec.refine(k_far, v_far, storage, ids, k_low.flatten(0, 1), v_low.flatten(0, 1))
     out = []
     for p in range(n):
-        nq = max(start, (p + 1 - codec.residual) // bs * bs)
+        nq = oracle_quantized_len(p + 1, codec.residual, bs, start)
         nm = max(start, nq - codec.middle)
         sinks = min(codec.sink if start == 0 else 0, nq)
         keys = torch.cat([k[:sinks], k_far[sinks:nm], k_mid[max(nm, sinks):nq], k[nq:p + 1]])

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from window_rules import oracle_quantized_len
 
 from threefold.errors import ThreefoldError
 from threefold.kv.codecs.turboquant import unpack_planes
@@ -157,7 +158,7 @@ def test_behind_a_window_recent_tokens_are_exact():
 
     kvh, d, heads, bs, n = 2, 16, 4, 8, 40
     codec = make_codec("turboquant:residual=16", kvh, d, torch.float32)
-    assert codec.window_tokens(bs) == 24 and make_codec("turboquant", kvh, d, torch.float32).window_tokens(bs) == 0
+    assert codec.window_tokens(bs) == 16 and make_codec("turboquant", kvh, d, torch.float32).window_tokens(bs) == 0
     cache = PagedKVCache(codec, 1, 8, bs, torch.device("cpu"))
     arena = WindowArena(ArenaShape.of([codec], bs), 1, kvh, d, torch.float32, torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
@@ -171,7 +172,7 @@ def test_behind_a_window_recent_tokens_are_exact():
     got = torch.cat(outs)
     kc, vc = codec.round_trip(k, v)
     for p in range(n):
-        nq = max(0, (p + 1 - codec.residual) // bs * bs)
+        nq = oracle_quantized_len(p + 1, codec.residual, bs)
         keys = torch.cat([kc[:nq], k[nq:p + 1]]).repeat_interleave(2, 1)
         values = torch.cat([vc[:nq], v[nq:p + 1]]).repeat_interleave(2, 1)
         weights = torch.softmax(torch.einsum("hd,nhd->hn", q[p], keys) * d ** -0.5, -1)

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 CALIBRATION_TOKENS = 512
 """Tokens of calibration text (one context): long enough that most positions read KIVI's
-quantized blocks (R + B = 160 tokens stay exact) and short enough to score ~40 times at startup."""
+quantized blocks (at most R = 128 tokens stay exact) and short enough to score ~40 times at startup."""
 CHUNK = 128
 """Prefill chunk of a calibration run: later chunks read the earlier ones back from the cache.
 (Every codec here attends over what its cache returns even within a chunk, the round trip

@@ -2,6 +2,11 @@
 (KIVI) keeps in full precision beside its quantized blocks: the model's dtype, fp16 for fp32
 models (`window_dtype`).
 
+A window of residual R over blocks of B tokens (a multiple of KIVI's group) holds at most
+max(R, B) tokens: a complete block is read quantized once keeping it exact would leave more than R
+exact tokens (`quantized_len`), so between R - B + 1 and R recent tokens stay exact (R >= B), as
+KIVI's own residual never exceeds R (its keys keep 0..R-1, its values R).
+
     ring   [num_layers, 2, num_slots, size, kvh, d]        position p of a request lives at p % size
     band   [num_layers, 2, num_slots, band, kvh, d / 4]    `tiered`: low bit planes, at p % band
     sinks  [num_layers, 2, num_slots, sink, kvh, d]        `tiered`: the first tokens, exact
@@ -27,8 +32,25 @@ ARENA_SHARE = (0.25, 0.5)
 planned so that every window comes with the blocks of one max_model_len request: W / (W + blocks),
 which gives the most concurrent requests at that length. The floor keeps long-context engines
 at 3/4 of the budget in blocks (kivi2 then holds up to 0.75 x 5.3 = 4x bf16's sequences at long
-contexts); the ceiling keeps short ones from starving the blocks (a window of R + B tokens in
+contexts); the ceiling keeps short ones from starving the blocks (a window of R tokens in
 the model's dtype weighs as much as ~5 R kivi2 tokens)."""
+
+
+def window_lag(residual: int, block_size: int) -> int:
+    """L such that a request of n tokens reads floor_B(n - L) of them from its blocks: R - B + 1
+    (at most R exact), or 0 for R < B (every complete block is read quantized)."""
+    return max(0, residual - block_size + 1)
+
+
+def window_size(residual: int, block_size: int) -> int:
+    """Ring tokens a request needs per windowed layer: the most its window holds exact."""
+    return max(residual, block_size)
+
+
+def quantized_len(n: int, residual: int, block_size: int, start: int = 0) -> int:
+    """nq(n): tokens of a request of n read from its quantized blocks (start: the tokens it began
+    with, a prefix hit, read quantized)."""
+    return max(start, (n - window_lag(residual, block_size)) // block_size * block_size)
 
 
 def arena_share(bytes_per_slot: int, plan_bytes: int) -> float:

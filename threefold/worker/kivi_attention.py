@@ -3,10 +3,10 @@
 A request with n tokens reads positions < nq(n) from its quantized blocks and the rest from
 its window, where (R = residual, B = block_size, a multiple of KIVI's group G)
 
-    nq(n) = max(start, floor_B(n - R))      start: tokens it began with (a prefix hit)
+    nq(n) = max(start, floor_B(n - L)),  L = max(0, R - B + 1)      start: tokens it began with (a prefix hit)
 
-so between R and R + B - 1 recent tokens stay exact, and a token's representation changes
-exactly when its block leaves the window. Each query row p of a chunk sees the cache as it
+(kv/window.py: quantized_len), so between R - B + 1 and R recent tokens stay exact, and a token's
+representation changes exactly when its block leaves the window. Each query row p of a chunk sees the cache as it
 stands after p + 1 tokens (nq(p + 1)), as if decoded one token at a time: chunking and
 batching do not change what a row attends over.
 
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from threefold.kv.codecs.tiered import FINE_BITS, TieredCodec
 from threefold.kv.paged import PagedKVCache
-from threefold.kv.window import Window, WindowArena, WindowedCodec
+from threefold.kv.window import Window, WindowArena, WindowedCodec, quantized_len
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class KiviAttention:
 
     def quantized_len(self, window: Window, n: int, residual: int) -> int:
         """nq(n): tokens of n read from the blocks."""
-        return max(window.start, (n - residual) // self.block_size * self.block_size)
+        return quantized_len(n, residual, self.block_size, window.start)
 
     def middle_len(self, window: Window, n: int, residual: int, middle: int) -> int:
         """nm(n) (`tiered`): tokens of n read at 2 bits; [nm, nq) are the 4-bit middle band."""

@@ -5,8 +5,8 @@ What a row reads (the same rules the engine's attention follows, worker/attentio
 worker/kivi_attention.py; tests/test_kv_guard.py checks the two agree):
 
     windowless codec    every earlier key and value round-tripped (codec.round_trip)
-    windowed (KIVI)     row p reads keys below nq(p + 1) = floor_B(p + 1 - R) from whole
-                        encoded blocks (codec.encode / read_blocks), the rest exact
+    windowed (KIVI)     row p reads keys below nq(p + 1) = floor_B(p + 1 - L) from whole encoded
+                        blocks (codec.encode / read_blocks), the rest exact (kv/window.py: window_lag)
 
 Layer l's added KL needs only layers l.. recomputed: the inputs of every layer under the exact
 cache are kept from one forward, so probing all layers costs about half a forward each.
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from threefold.kv.codec import KVCodec
-from threefold.kv.window import window_dtype
+from threefold.kv.window import window_dtype, window_lag
 from threefold.model.llama import CausalLM, Rotary
 
 
@@ -42,7 +42,7 @@ def windowed_attention(codec, block_size: int, q: torch.Tensor, k: torch.Tensor,
     codec.encode(storage, ids, F.pad(k, (0, 0, 0, 0, 0, pad)).view(shape), F.pad(v, (0, 0, 0, 0, 0, pad)).view(shape))
     kq, vq = (t[:n].to(q.dtype) for t in codec.read_blocks(storage, ids))
     rows = torch.arange(n, device=q.device)
-    nq = ((rows + 1 - codec.residual) // block_size * block_size).clamp(min=0)
+    nq = ((rows + 1 - window_lag(codec.residual, block_size)) // block_size * block_size).clamp(min=0)
     quantized = rows[None, :] < nq[:, None]  # [row, key]
     exact = ~quantized & (rows[None, :] <= rows[:, None])
     group = q.shape[1] // kvh

@@ -28,6 +28,7 @@ import torch
 from threefold.errors import ThreefoldError
 from threefold.kv.codec import KVCodec, KVLayout
 from threefold.kv.spec import KVSpec
+from threefold.kv.window import window_size
 
 
 def quantize_minmax(x: torch.Tensor, bits: int, dim: int,
@@ -93,9 +94,9 @@ class KiviCodec(KVCodec[KiviStorage]):
                                  f"divides {block_size}.", param="block_size")
 
     def window_tokens(self, block_size: int) -> int:
-        """Full-precision tokens one running request keeps per layer: the residual R plus the
-        block being filled (a block is encoded whole once every token of it is known)."""
-        return self.residual + block_size
+        """Full-precision tokens one running request keeps per layer: at most R (or the block
+        being filled, for R < B), kv/window.py."""
+        return window_size(self.residual, block_size)
 
     def bytes_per_block(self, block_size: int) -> int:
         codes = 2 * block_size * self.num_kv_heads * self.head_dim * self.bits // 8

@@ -4,7 +4,7 @@ middle band, 2-bit far tokens, each token lowered as it ages.
 A request of n tokens reads (R = residual, M = middle, S = sink, B = block_size, KIVI's groups):
 
     positions [nq, n)             exact, from its window (kv/window.py), as KIVI:
-                                  nq(n) = max(start, floor_B(n - R))
+                                  nq(n) = max(start, floor_B(n - max(0, R - B + 1)))
     positions [nm, nq)            4 bits: the middle band, nm(n) = max(start, nq(n) - M)
     positions [0, nm)             2 bits: far
     positions [0, min(S, nq))     exact again: the attention sinks (requests with start = 0)
@@ -19,7 +19,7 @@ bit planes. The high plane is the block: a kivi2 block whose scale and zero are 
     middle  x^ = zero' + scale' (hi + lo / 4 - 3 / 8) = z + s q4 (up to zero's fp16 rounding)
 
 The low plane lives beside the request's window, in its band ring (kv/window.py), at position
-p % band_size: band_size = M + R + B covers every block from nm to the last one encoded. A block's
+p % band_size: band_size = M + max(R, B) covers every block from nm to the last one encoded. A block's
 low plane is overwritten exactly when the block leaves the band, so aging to 2 bits frees its
 bytes without touching the shared block: PM-KVQ's "equivalent right shift", by bit planes.
 The sinks are the request's first S tokens, kept exact beside the window once block 0 is encoded.

@@ -45,6 +45,7 @@ from threefold.errors import ThreefoldError
 from threefold.kv.codec import KVCodec, KVLayout
 from threefold.kv.codecs.kivi import pack, unpack
 from threefold.kv.spec import KVSpec
+from threefold.kv.window import window_size
 
 
 @functools.lru_cache(maxsize=16)
@@ -111,8 +112,8 @@ class TurboQuantCodec(KVCodec[TurboStorage]):
         self.v_book = lloyd_max(head_dim, self.vbits)
 
     def window_tokens(self, block_size: int) -> int:
-        """residual > 0: KIVI's window (kv/window.py): R recent tokens + the block being filled stay exact."""
-        return self.residual + block_size if self.residual else 0
+        """residual > 0: KIVI's window (kv/window.py): at most R recent tokens stay exact."""
+        return window_size(self.residual, block_size) if self.residual else 0
 
     def encode(self, storage: TurboStorage, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Whole blocks k, v [n, block_size, kvh, d] (the windowed path): each token as `write`s."""
