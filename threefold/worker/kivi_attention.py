@@ -5,10 +5,10 @@ its window, where (R = residual, B = block_size, a multiple of KIVI's group G)
 
     nq(n) = max(start, floor_B(n - L)),  L = max(0, R - B + 1)      start: tokens it began with (a prefix hit)
 
-(kv/window.py: quantized_len), so between R - B + 1 and R recent tokens stay exact, and a token's
-representation changes exactly when its block leaves the window. Each query row p of a chunk sees the cache as it
-stands after p + 1 tokens (nq(p + 1)), as if decoded one token at a time: chunking and
-batching do not change what a row attends over.
+(kv/window.py: quantized_len), so between R - B + 1 and R recent tokens stay exact, and a
+token's representation changes exactly when its block leaves the window. Each query row p of a
+chunk sees the cache as it stands after p + 1 tokens (nq(p + 1)), as if decoded one token at a
+time: chunking and batching do not change what a row attends over.
 
 In a per-layer codec mix (kv/mix.py) this object serves the windowed layers only: each layer
 reads its own codec (and residual), and its window lives in ring row `rows[layer]`.
