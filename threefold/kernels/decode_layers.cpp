@@ -1,5 +1,9 @@
 // decode_layers -- every decoder layer of a step whose rows all decode over a dense paged cache,
 // in one native call: what CUDA graphs do for vLLM's decode steps, for the CPU.
+// decode_layers_kivi -- the same loop over a KIVI cache (kivi2 / kivi4 in every layer): each layer
+// puts its rows' K/V in their requests' full-precision windows, encodes the blocks they complete
+// (kivi_encode) and attends over blocks and windows (kivi_attention), as worker/kivi_attention.py
+// does layer by layer.
 //
 // A batch-1 decode step of SmolLM2-135M spends ~10 ms in kernels and ~3 ms in the Python
 // between them (module calls, views, the cache write, the attention dispatch: ~100 us a
@@ -10,6 +14,7 @@
 //   otherwise:   residual += hidden; hidden = rms_norm(residual)           (add_rms_norm)
 //   qkv = linear(hidden); rope on q and k in place; cache[slot(t)] = k, v
 //   out = paged_decode_attention(q) per decode group; hidden = linear_o(out)
+//         (KIVI: ring[slot(t), p(t) mod size] = k, v; blocks completed: kivi_encode; out = kivi_attention(q))
 //   residual += hidden; hidden = rms_norm(residual); hidden = down(silu(gate) * up)
 //   end: residual += hidden; return rms_norm(residual)
 //
@@ -17,7 +22,7 @@
 // oneDNN's prepacked weight (mkldnn::_linear_pointwise, called through the dispatcher), else
 // at::linear. Llama-style layers only (q/k-norm models keep the Python loop).
 
-// threefold-exports: decode_layers
+// threefold-exports: decode_layers decode_layers_kivi
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -32,6 +37,13 @@ void silu_and_mul(at::Tensor out, at::Tensor gate_up);
 void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window,
                             at::Tensor tree_starts, at::Tensor tree_bits);
+void kivi_attention(at::Tensor out, at::Tensor q, at::Tensor k_codes, at::Tensor v_codes, at::Tensor k_scales,
+                    at::Tensor k_zeros, at::Tensor v_scales, at::Tensor v_zeros, at::Tensor ring,
+                    at::Tensor block_tables, at::Tensor quant_lens, at::Tensor seq_lens, at::Tensor slots,
+                    at::Tensor bases, double scale);
+void kivi_encode(at::Tensor k_codes, at::Tensor v_codes, at::Tensor k_scales, at::Tensor k_zeros,
+                 at::Tensor v_scales, at::Tensor v_zeros, at::Tensor block_ids, at::Tensor k, at::Tensor v,
+                 int64_t fine, at::Tensor low);
 
 namespace {
 
@@ -79,6 +91,51 @@ void write_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at:
   }
 }
 
+// The layer loop both entry points share: attend(l, q, k, v, out) writes layer l's K/V where its
+// cache keeps them and fills out [T, num_heads, d] with the attention of q.
+template <class Attend>
+at::Tensor run_layers(at::Tensor hidden, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                      const std::vector<c10::optional<at::Tensor>>& weights, const std::vector<int64_t>& max_rows,
+                      const at::Tensor& final_norm, double eps, size_t num_layers, int64_t d, int64_t num_heads,
+                      int64_t num_kv_heads, Attend&& attend) {
+  const int64_t rows = hidden.size(0);
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layers: hidden must be contiguous [T, H]");
+  TORCH_CHECK(weights.size() == num_layers * kPerLayer && max_rows.size() == num_layers * kLinears,
+              "decode_layers: ", kPerLayer, " weights and ", kLinears, " row limits per layer");
+  const int64_t qk_heads = num_heads + num_kv_heads;
+  at::Tensor residual = hidden;
+  for (size_t l = 0; l < num_layers; ++l) {
+    const size_t w = l * kPerLayer;
+    const int64_t* limit = max_rows.data() + l * kLinears;
+    if (l == 0) {
+      hidden = hidden.clone();
+      add_rms_norm(hidden, hidden, *weights[w], eps, false);
+    } else {
+      add_rms_norm(hidden, residual, *weights[w], eps, true);
+    }
+    at::Tensor qkv = linear(hidden, weights, w + kNorms, limit[0]);  // [T, (H + 2 KVH) d]
+    at::Tensor qk = qkv.narrow(1, 0, qk_heads * d).view({rows, qk_heads, d});
+    at::Tensor v = qkv.narrow(1, qk_heads * d, num_kv_heads * d).view({rows, num_kv_heads, d});
+    rotary_embedding(qk, positions, cos, sin);
+    at::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, num_kv_heads);
+    at::Tensor out = at::empty({rows, num_heads, d}, hidden.options());
+    attend(l, q, k, v, out);
+    hidden = linear(out.view({rows, num_heads * d}), weights, w + kNorms + kPerLinear, limit[1]);
+    add_rms_norm(hidden, residual, *weights[w + 1], eps, true);
+    at::Tensor gate_up = linear(hidden, weights, w + kNorms + 2 * kPerLinear, limit[2]);
+    at::Tensor act = at::empty({rows, gate_up.size(1) / 2}, hidden.options());
+    silu_and_mul(act, gate_up);
+    hidden = linear(act, weights, w + kNorms + 3 * kPerLinear, limit[3]);
+  }
+  if (num_layers == 0) {
+    hidden = hidden.clone();
+    add_rms_norm(hidden, hidden, final_norm, eps, false);
+    return hidden;
+  }
+  add_rms_norm(hidden, residual, final_norm, eps, true);
+  return hidden;
+}
+
 }  // namespace
 
 // hidden [T, H] (the embeddings; becomes the first residual); positions [T] int64; cos, sin the
@@ -87,19 +144,10 @@ void write_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at:
 // k_caches, v_caches: per layer [N, bs, kvh, d] in hidden's dtype; slot_mapping [T]; decode groups
 // (rows group_starts[g] .. + group_tables[g].size(0)) with their block tables, seq_lens and tree
 // masks (empty tensors: none), as paged_decode_attention takes them. Returns the final-normed hidden.
-at::Tensor decode_layers(at::Tensor hidden, at::Tensor positions, at::Tensor cos, at::Tensor sin,
-                         std::vector<c10::optional<at::Tensor>> weights, std::vector<int64_t> max_rows,
-                         at::Tensor final_norm, double eps, std::vector<at::Tensor> k_caches,
-                         std::vector<at::Tensor> v_caches, at::Tensor slot_mapping, std::vector<int64_t> group_starts,
-                         std::vector<at::Tensor> group_tables, std::vector<at::Tensor> group_lens,
-                         std::vector<at::Tensor> group_tree_starts, std::vector<at::Tensor> group_tree_bits,
-                         int64_t num_heads, int64_t num_kv_heads, double scale, int64_t window) {
+at::Tensor decode_layers(at::Tensor hidden, at::Tensor positions, at::Tensor cos, at::Tensor sin, std::vector<c10::optional<at::Tensor>> weights, std::vector<int64_t> max_rows, at::Tensor final_norm, double eps, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, at::Tensor slot_mapping, std::vector<int64_t> group_starts, std::vector<at::Tensor> group_tables, std::vector<at::Tensor> group_lens, std::vector<at::Tensor> group_tree_starts, std::vector<at::Tensor> group_tree_bits, int64_t num_heads, int64_t num_kv_heads, double scale, int64_t window) {
   const size_t num_layers = k_caches.size();
   const int64_t rows = hidden.size(0), d = k_caches.empty() ? 0 : k_caches[0].size(3);
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layers: hidden must be contiguous [T, H]");
-  TORCH_CHECK(weights.size() == num_layers * kPerLayer && max_rows.size() == num_layers * kLinears &&
-                  v_caches.size() == num_layers,
-              "decode_layers: ", kPerLayer, " weights and ", kLinears, " row limits per layer");
+  TORCH_CHECK(v_caches.size() == num_layers, "decode_layers: one k and one v cache per layer");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == rows,
               "decode_layers: slot_mapping must be contiguous int64 [T]");
@@ -117,44 +165,85 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor positions, at::Tensor cos
     TORCH_CHECK(k_caches[l].scalar_type() == hidden.scalar_type() && v_caches[l].is_contiguous() &&
                     k_caches[l].is_contiguous() && k_caches[l].size(3) == d,
                 "decode_layers: each layer's cache must be contiguous [N, bs, kvh, d] in the model's dtype");
-
-  const int64_t qk_heads = num_heads + num_kv_heads;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  at::Tensor residual = hidden;
-  for (size_t l = 0; l < num_layers; ++l) {
-    const size_t w = l * kPerLayer;
-    const int64_t* limit = max_rows.data() + l * kLinears;
-    if (l == 0) {
-      hidden = hidden.clone();
-      add_rms_norm(hidden, hidden, *weights[w], eps, false);
-    } else {
-      add_rms_norm(hidden, residual, *weights[w], eps, true);
-    }
-    at::Tensor qkv = linear(hidden, weights, w + kNorms, limit[0]);  // [T, (H + 2 KVH) d]
-    at::Tensor qk = qkv.narrow(1, 0, qk_heads * d).view({rows, qk_heads, d});
-    at::Tensor v = qkv.narrow(1, qk_heads * d, num_kv_heads * d).view({rows, num_kv_heads, d});
-    rotary_embedding(qk, positions, cos, sin);
-    at::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, num_kv_heads);
+  auto attend = [&](size_t l, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out) {
     write_cache(k_caches[l], v_caches[l], k, v, slots);
-    at::Tensor out = at::empty({rows, num_heads, d}, hidden.options());
     for (size_t g = 0; g < groups; ++g) {
       const int64_t n = group_tables[g].size(0);
       paged_decode_attention(out.narrow(0, group_starts[g], n), q.narrow(0, group_starts[g], n), k_caches[l],
                              v_caches[l], group_tables[g], group_lens[g], scale, window, group_tree_starts[g],
                              group_tree_bits[g]);
     }
-    hidden = linear(out.view({rows, num_heads * d}), weights, w + kNorms + kPerLinear, limit[1]);
-    add_rms_norm(hidden, residual, *weights[w + 1], eps, true);
-    at::Tensor gate_up = linear(hidden, weights, w + kNorms + 2 * kPerLinear, limit[2]);
-    at::Tensor act = at::empty({rows, gate_up.size(1) / 2}, hidden.options());
-    silu_and_mul(act, gate_up);
-    hidden = linear(act, weights, w + kNorms + 3 * kPerLinear, limit[3]);
-  }
-  if (num_layers == 0) {
-    hidden = hidden.clone();
-    add_rms_norm(hidden, hidden, final_norm, eps, false);
-    return hidden;
-  }
-  add_rms_norm(hidden, residual, final_norm, eps, true);
-  return hidden;
+  };
+  return run_layers(hidden, positions, cos, sin, weights, max_rows, final_norm, eps, num_layers, d, num_heads,
+                    num_kv_heads, attend);
+}
+
+// decode_layers over a KIVI cache. blocks: per layer k_codes, v_codes, k_scales, k_zeros, v_scales, v_zeros
+// (kivi_attention's operands); rings: per layer [2, slots, size, kvh, d] (the windows, in hidden's dtype or
+// float16 beside float32); block_tables [T, width]; meta [4, T]: quantized lengths, seq lengths, ring slots,
+// ring bases (kivi_attention's), row t being position seq_len - 1 of its request; encode_rows [E]: the rows
+// whose token completes a block, encode_blocks [E] that block's id (its tokens are the ring's last bs).
+at::Tensor decode_layers_kivi(at::Tensor hidden, at::Tensor positions, at::Tensor cos, at::Tensor sin, std::vector<c10::optional<at::Tensor>> weights, std::vector<int64_t> max_rows, at::Tensor final_norm, double eps, std::vector<at::Tensor> blocks, std::vector<at::Tensor> rings, at::Tensor block_tables, at::Tensor meta, at::Tensor encode_rows, at::Tensor encode_blocks, int64_t num_heads, int64_t num_kv_heads, double scale) {
+  constexpr size_t kBlockTensors = 6;
+  const size_t num_layers = rings.size();
+  const int64_t rows = hidden.size(0);
+  TORCH_CHECK(blocks.size() == num_layers * kBlockTensors, "decode_layers_kivi: 6 block tensors and a ring per layer");
+  TORCH_CHECK(meta.scalar_type() == at::kLong && meta.is_contiguous() && meta.dim() == 2 && meta.size(0) == 4 &&
+                  meta.size(1) == rows,
+              "decode_layers_kivi: meta must be contiguous int64 [4, T]");
+  const int64_t num_encode = encode_rows.numel();
+  TORCH_CHECK(encode_rows.scalar_type() == at::kLong && encode_blocks.scalar_type() == at::kLong &&
+                  encode_rows.is_contiguous() && encode_blocks.is_contiguous() && encode_blocks.numel() == num_encode,
+              "decode_layers_kivi: encode_rows and encode_blocks must be contiguous int64 [E]");
+  const int64_t d = num_layers ? rings[0].size(4) : 0;
+  for (size_t l = 0; l < num_layers; ++l)
+    TORCH_CHECK(rings[l].dim() == 5 && rings[l].size(0) == 2 && rings[l].size(3) == num_kv_heads &&
+                    rings[l].size(4) == d && rings[l].is_contiguous() && rings[l].sizes() == rings[0].sizes(),
+                "decode_layers_kivi: every ring must be contiguous [2, slots, size, kvh, d], of one shape");
+  const int64_t* lens = meta[1].data_ptr<int64_t>();
+  const int64_t* ring_slots = meta[2].data_ptr<int64_t>();
+  const int64_t* enc = encode_rows.data_ptr<int64_t>();
+  const int64_t num_slots = num_layers ? rings[0].size(1) : 0, size = num_layers ? rings[0].size(2) : 1;
+  const int64_t bs = num_layers ? blocks[0].size(1) : 1;
+  for (int64_t t = 0; t < rows; ++t)
+    TORCH_CHECK(ring_slots[t] >= 0 && ring_slots[t] < num_slots && lens[t] >= 1,
+                "decode_layers_kivi: a row's ring slot is out of range");
+  for (int64_t e = 0; e < num_encode; ++e)
+    TORCH_CHECK(enc[e] >= 0 && enc[e] < rows && lens[enc[e]] % bs == 0 && bs <= size,
+                "decode_layers_kivi: an encoded row must complete its block, inside its ring");
+  at::Tensor no_low = at::empty({0}, hidden.options().dtype(at::kByte));
+  auto attend = [&](size_t l, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out) {
+    const at::Tensor& ring = rings[l];
+    const at::Tensor* b = blocks.data() + l * kBlockTensors;
+    at::Tensor kr = k.to(ring.scalar_type()), vr = v.to(ring.scalar_type());  // the window's precision
+    const int64_t width = num_kv_heads * d, bytes = width * ring.element_size();
+    char* base = static_cast<char*>(ring.data_ptr());
+    const int64_t half = num_slots * size * bytes;  // ring[0] (K) and ring[1] (V)
+    for (int64_t t = 0; t < rows; ++t) {
+      const int64_t at_row = (ring_slots[t] * size + (lens[t] - 1) % size) * bytes;
+      std::memcpy(base + at_row, static_cast<const char*>(kr.data_ptr()) + t * kr.stride(0) * kr.element_size(),
+                  bytes);
+      std::memcpy(base + half + at_row,
+                  static_cast<const char*>(vr.data_ptr()) + t * vr.stride(0) * vr.element_size(), bytes);
+    }
+    if (num_encode) {  // the completed blocks, gathered from the rings (their tokens are its last bs)
+      at::Tensor bk = at::empty({num_encode, bs, num_kv_heads, d}, ring.options());
+      at::Tensor bv = at::empty_like(bk);
+      for (int64_t e = 0; e < num_encode; ++e) {
+        const int64_t t = enc[e], first = lens[t] - bs;
+        for (int64_t i = 0; i < bs; ++i) {
+          const int64_t from = (ring_slots[t] * size + (first + i) % size) * bytes, to = (e * bs + i) * bytes;
+          std::memcpy(static_cast<char*>(bk.data_ptr()) + to, base + from, bytes);
+          std::memcpy(static_cast<char*>(bv.data_ptr()) + to, base + half + from, bytes);
+        }
+      }
+      const int64_t bits = b[0].size(-1) * 8 / d;
+      kivi_encode(b[0], b[1], b[2], b[3], b[4], b[5], encode_blocks, bk, bv, bits, no_low);
+    }
+    kivi_attention(out, q, b[0], b[1], b[2], b[3], b[4], b[5], ring, block_tables, meta[0], meta[1], meta[2], meta[3],
+                   scale);
+  };
+  return run_layers(hidden, positions, cos, sin, weights, max_rows, final_norm, eps, num_layers, d, num_heads,
+                    num_kv_heads, attend);
 }

@@ -30,9 +30,9 @@ v [T, num_kv_heads, head_dim]) -> [T, num_heads, head_dim].
 q and k are RoPE'd (and q/k-normed for qwen3). q, k and v may be strided
 views into one buffer, not contiguous: use .reshape or .contiguous, not .view.
 
-An AttentionFn may also carry `decode_step` (a `DecodeStep`, or None): where every row of
-the step decodes over a dense paged cache, the model then runs all its layers in one
-native call (kernels/decode_layers.cpp) instead of calling it layer by layer.
+An AttentionFn may also carry `decode_step` (a `DecodeStep` or `KiviDecodeStep`, or None): where
+every row of the step decodes over a dense paged cache (or a KIVI one), the model then runs all its
+layers in one native call (kernels/decode_layers.cpp) instead of calling it layer by layer.
 """
 
 
@@ -52,6 +52,22 @@ class DecodeStep:
     group_tree_bits: list[Tensor]
     scale: float
     window: int
+
+
+@dataclass
+class KiviDecodeStep:
+    """What kernels.decode_layers_kivi needs of a decode-only step over a KIVI cache (kivi2 or kivi4 in
+    every layer; worker/kivi_attention.py builds it): per layer the packed blocks (k codes, v codes, k
+    scales, k zeros, v scales, v zeros: 6 tensors a layer, flat) and the windows' ring; kivi_attention's
+    block tables and meta [4, rows]; the rows whose token completes a block, and that block's id."""
+
+    blocks: list[Tensor]
+    rings: list[Tensor]
+    block_tables: Tensor
+    meta: Tensor
+    encode_rows: Tensor
+    encode_blocks: Tensor
+    scale: float
 
 
 class Linear(nn.Linear):
@@ -416,10 +432,15 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionFn) -> Tensor:
         """input_ids, positions: [T] long, a flattened batch. Returns hidden [T, hidden] after the final norm."""
         assert self.rope_cos is not None and self.rope_sin is not None, "call init_rope(max_len) after loading weights"
-        step: DecodeStep | None = getattr(attention, "decode_step", None)
+        step: DecodeStep | KiviDecodeStep | None = getattr(attention, "decode_step", None)
         if step is not None and self._layer_weights is not None and self.native_decode:
             assert self.kernels is not None
             config = self.config
+            if isinstance(step, KiviDecodeStep):
+                return self.kernels.decode_layers_kivi(
+                    self.embed_tokens(input_ids), positions, self.rope_cos, self.rope_sin, *self._layer_weights,
+                    self.norm.weight, config.rms_norm_eps, step.blocks, step.rings, step.block_tables, step.meta,
+                    step.encode_rows, step.encode_blocks, config.num_heads, config.num_kv_heads, step.scale)
             return self.kernels.decode_layers(
                 self.embed_tokens(input_ids), positions, self.rope_cos, self.rope_sin, *self._layer_weights,
                 self.norm.weight, config.rms_norm_eps, step.k_caches, step.v_caches, step.slot_mapping,

@@ -33,6 +33,10 @@ Two paths compute the same thing (chosen per step, logged once):
                     share every key they decode, 16 rows at a time); blocks encoded in torch
     plain torch     blocks dequantized (`read_blocks`) and one masked SDPA per request: the
                     reference, for tests and machines without a compiler
+
+A decode-only step over kivi2 / kivi4 in every layer also carries `decode_step` (model.llama's
+KiviDecodeStep): the model then runs every layer in one native call (kernels/decode_layers.cpp's
+decode_layers_kivi), which makes the native path's writes, encodes and kernel calls in the same order.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import torch.nn.functional as F
 from threefold.kv.codecs.tiered import FINE_BITS, TieredCodec
 from threefold.kv.paged import PagedKVCache
 from threefold.kv.window import Window, WindowArena, WindowedCodec, quantized_len
+from threefold.model.llama import KiviDecodeStep
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +126,30 @@ class KiviAttention:
         """The native build (kivi_attention), or None: the plain-torch path."""
         self._plan: _StepPlan | None = None
         self.block_size = cache.block_size
+        self.decode_step = self._decode_step()
+        """Where every row decodes over kivi2 / kivi4 layers of one residual: the model runs its layers
+        in one native call (model.llama.KiviDecodeStep), which computes exactly what this object does."""
+
+    def _decode_step(self) -> KiviDecodeStep | None:
+        requests, cache = self.requests, self.cache
+        if (self.kernels is None or not hasattr(self.kernels, "decode_layers_kivi") or self.rows is not None
+                or self.residual is not None or not requests
+                or any(r.query_len != 1 or r.query_start != i for i, r in enumerate(requests))):
+            return None
+        layouts = [cache.layout(layer) for layer in range(len(cache.codecs))]
+        residuals = {self._codec(layer).residual for layer in range(len(layouts))}
+        if any(layout.kind != "kivi" for layout in layouts) or len(residuals) != 1:
+            return None
+        _, tables, meta = self._decode_args(residuals.pop(), None)
+        bs = self.block_size
+        done = [(i, int(r.block_ids[r.context_len // bs])) for i, r in enumerate(requests)
+                if (r.context_len + 1) % bs == 0]
+        device = self.arena.ring.device
+        return KiviDecodeStep(
+            [t for layout in layouts for t in _block_tensors(layout)],
+            [self._ring(layer) for layer in range(len(layouts))], tables, meta,
+            torch.tensor([i for i, _ in done], dtype=torch.long, device=device),
+            torch.tensor([b for _, b in done], dtype=torch.long, device=device), self.scale)
 
     def _codec(self, layer_idx: int) -> WindowedCodec:
         codec = self.cache.codecs[layer_idx]
@@ -430,6 +459,13 @@ class KiviAttention:
                                                   values, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[start : start + len(rows)] = attn[0].transpose(0, 1)
         return out
+
+
+def _block_tensors(layout) -> tuple[torch.Tensor, ...]:
+    """A "kivi" layout's packed blocks in kivi_attention's order: codes K, V, then K scales, zeros, V scales, zeros."""
+    parts = (layout.k, layout.v, layout.k_scales, layout.k_zeros, layout.v_scales, layout.v_zeros)
+    assert all(t is not None for t in parts), "a kivi layout has scales and zeros"
+    return parts
 
 
 @functools.cache
