@@ -40,6 +40,21 @@ def tiny_dirs(tmp_path_factory):
             for variant in ("llama", "qwen2", "mistral")}
 
 
+def _forward(model, input_ids, positions, attention, native: bool):
+    """The model's hidden states through the native loop (native) or its Python layers, checking which ran."""
+    model.native_decode = native
+    calls: list[int] = []
+    hook = model.layers[0].self_attn.register_forward_pre_hook(lambda *args, seen=calls: seen.append(1))
+    try:
+        with torch.inference_mode():
+            hidden = model(input_ids, positions, attention)
+    finally:
+        hook.remove()
+        model.native_decode = True
+    assert bool(calls) != native, "the native call must replace the Python layers (and only it)"
+    return hidden
+
+
 def _step(model, kernels, dtype, context_lens: list[int], groups: list[int], window: int, tree: bool):
     """One decode step of len(context_lens) rows over a random cache: (hidden, cache) from
     decode_layers, and the same from the Python loop (each on its own copy of the cache)."""
@@ -70,16 +85,7 @@ def _step(model, kernels, dtype, context_lens: list[int], groups: list[int], win
     for native, cache in zip((True, False), caches, strict=True):
         attention = PagedAttention(cache, meta, config.head_dim ** -0.5, dtype, kernels)
         assert attention.decode_step is not None
-        model.native_decode = native
-        calls: list[int] = []
-        hook = model.layers[0].self_attn.register_forward_pre_hook(lambda *args, seen=calls: seen.append(1))
-        try:
-            with torch.inference_mode():
-                hidden = model(input_ids, positions, attention)
-        finally:
-            hook.remove()
-            model.native_decode = True
-        assert bool(calls) != native, "the native call must replace the Python layers (and only it)"
+        hidden = _forward(model, input_ids, positions, attention, native)
         out.append((hidden, cache.layers))
     return out
 
@@ -176,16 +182,7 @@ def _kivi_step(model, kernels, dtype, spec: str, context_lens: list[int], starts
                     for i, (ctx, start) in enumerate(zip(context_lens, starts, strict=True))]
         attention = KiviAttention(cache, arena, requests, config.head_dim ** -0.5, kernels=kernels)
         assert attention.decode_step is not None
-        model.native_decode = native
-        calls: list[int] = []
-        hook = model.layers[0].self_attn.register_forward_pre_hook(lambda *args, seen=calls: seen.append(1))
-        try:
-            with torch.inference_mode():
-                hidden = model(input_ids, positions, attention)
-        finally:
-            hook.remove()
-            model.native_decode = True
-        assert bool(calls) != native, "the native call must replace the Python layers (and only it)"
+        hidden = _forward(model, input_ids, positions, attention, native)
         out.append((hidden, [t for storage in cache.layers for t in vars(storage).values()], arena.ring))
     return out
 

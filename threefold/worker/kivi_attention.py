@@ -141,15 +141,14 @@ class KiviAttention:
         if any(layout.kind != "kivi" for layout in layouts) or len(residuals) != 1:
             return None
         _, tables, meta = self._decode_args(residuals.pop(), None)
-        bs = self.block_size
-        done = [(i, int(r.block_ids[r.context_len // bs])) for i, r in enumerate(requests)
-                if (r.context_len + 1) % bs == 0]
+        done = self._step_plan().plain  # in a decode-only step: the rows whose token completes a block
         device = self.arena.ring.device
         return KiviDecodeStep(
             [t for layout in layouts for t in _block_tensors(layout)],
             [self._ring(layer) for layer in range(len(layouts))], tables, meta,
-            torch.tensor([i for i, _ in done], dtype=torch.long, device=device),
-            torch.tensor([b for _, b in done], dtype=torch.long, device=device), self.scale)
+            torch.tensor(done, dtype=torch.long, device=device),
+            torch.tensor([int(requests[i].block_ids[requests[i].context_len // self.block_size]) for i in done],
+                         dtype=torch.long, device=device), self.scale)
 
     def _codec(self, layer_idx: int) -> WindowedCodec:
         codec = self.cache.codecs[layer_idx]
