@@ -48,7 +48,7 @@ def main() -> None:
     for codec in codecs:
         start = time.perf_counter()
         llm = LLM(args.model, kv_cache_dtype=codec, block_size=32, max_model_len=2048)
-        outputs = llm.generate([p["prompt"] for p in problems.values()], params)
+        outputs = llm.generate([p["prompt"] for p in problems.values()], params, use_tqdm=True)
         completions = {task: out.outputs[0].text for task, out in zip(problems, outputs, strict=True)}
         passed = score(problems, completions, args.timeout)
         rows.append({"codec": llm.engine.core.cache_info["kv_cache_dtype"], "pass_at_1": len(passed) / len(problems),

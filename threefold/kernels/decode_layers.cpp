@@ -212,34 +212,25 @@ at::Tensor decode_layers_kivi(at::Tensor hidden, at::Tensor positions, at::Tenso
   for (int64_t e = 0; e < num_encode; ++e)
     TORCH_CHECK(enc[e] >= 0 && enc[e] < rows && lens[enc[e]] % bs == 0 && bs <= size,
                 "decode_layers_kivi: an encoded row must complete its block, inside its ring");
+  // Per step, not per layer: each row's ring row (its token), and the ring rows of each completed block.
+  std::vector<int64_t> at_rows(rows);
+  for (int64_t t = 0; t < rows; ++t) at_rows[t] = ring_slots[t] * size + (lens[t] - 1) % size;
+  at::Tensor gather = at::empty({num_encode * bs}, encode_rows.options());
+  int64_t* g = gather.data_ptr<int64_t>();
+  for (int64_t e = 0; e < num_encode; ++e)
+    for (int64_t i = 0; i < bs; ++i) g[e * bs + i] = ring_slots[enc[e]] * size + (lens[enc[e]] - bs + i) % size;
   at::Tensor no_low = at::empty({0}, hidden.options().dtype(at::kByte));
   auto attend = [&](size_t l, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out) {
     const at::Tensor& ring = rings[l];
     const at::Tensor* b = blocks.data() + l * kBlockTensors;
-    at::Tensor kr = k.to(ring.scalar_type()), vr = v.to(ring.scalar_type());  // the window's precision
-    const int64_t width = num_kv_heads * d, bytes = width * ring.element_size();
-    char* base = static_cast<char*>(ring.data_ptr());
-    const int64_t half = num_slots * size * bytes;  // ring[0] (K) and ring[1] (V)
-    for (int64_t t = 0; t < rows; ++t) {
-      const int64_t at_row = (ring_slots[t] * size + (lens[t] - 1) % size) * bytes;
-      std::memcpy(base + at_row, static_cast<const char*>(kr.data_ptr()) + t * kr.stride(0) * kr.element_size(),
-                  bytes);
-      std::memcpy(base + half + at_row,
-                  static_cast<const char*>(vr.data_ptr()) + t * vr.stride(0) * vr.element_size(), bytes);
-    }
+    write_cache(ring[0], ring[1], k.to(ring.scalar_type()), v.to(ring.scalar_type()), at_rows.data());
     if (num_encode) {  // the completed blocks, gathered from the rings (their tokens are its last bs)
-      at::Tensor bk = at::empty({num_encode, bs, num_kv_heads, d}, ring.options());
-      at::Tensor bv = at::empty_like(bk);
-      for (int64_t e = 0; e < num_encode; ++e) {
-        const int64_t t = enc[e], first = lens[t] - bs;
-        for (int64_t i = 0; i < bs; ++i) {
-          const int64_t from = (ring_slots[t] * size + (first + i) % size) * bytes, to = (e * bs + i) * bytes;
-          std::memcpy(static_cast<char*>(bk.data_ptr()) + to, base + from, bytes);
-          std::memcpy(static_cast<char*>(bv.data_ptr()) + to, base + half + from, bytes);
-        }
-      }
+      auto block_rows = [&](const at::Tensor& side) {
+        return side.view({-1, num_kv_heads, d}).index_select(0, gather).view({num_encode, bs, num_kv_heads, d});
+      };
       const int64_t bits = b[0].size(-1) * 8 / d;
-      kivi_encode(b[0], b[1], b[2], b[3], b[4], b[5], encode_blocks, bk, bv, bits, no_low);
+      kivi_encode(b[0], b[1], b[2], b[3], b[4], b[5], encode_blocks, block_rows(ring[0]), block_rows(ring[1]), bits,
+                  no_low);
     }
     kivi_attention(out, q, b[0], b[1], b[2], b[3], b[4], b[5], ring, block_tables, meta[0], meta[1], meta[2], meta[3],
                    scale);
