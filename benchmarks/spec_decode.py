@@ -22,9 +22,10 @@ prompt) rather than one batch's makespan, which speculation can only lengthen.
     ITL p50/p99  gaps between successive outputs of a request (a verify emitting several
                  tokens at once is one output, as a streaming client sees it)
 
-A method is NAME[@HEADS][:K][:vN][:fixed]: `draft:6` drafts up to 6 tokens, `:fixed` turns the adaptive
-controller off (always K), `:v4096` drafts over the heads' 4,096-token draft vocabulary (`:v0` the whole
-vocabulary; without it, the heads' default), `eagle@smollm2-135m-eagle-v1` takes that heads directory under --heads-dir
+A method is NAME[@HEADS][:K][:vN][:int8][:fixed]: `draft:6` drafts up to 6 tokens, `:fixed` turns the
+adaptive controller off (always K), `:int8` streams the draft model's weights as int8 (`quantization`),
+`:v4096` drafts over the heads' 4,096-token draft vocabulary (`:v0` the whole vocabulary; without it, the
+heads' default), `eagle@smollm2-135m-eagle-v1` takes that heads directory under --heads-dir
 (two heads of one method side by side). `draft` is the draft model (--draft-model) with the target's tokenizer.
 --peers adds, at batch 1, transformers on the same pair (the GGUFs converted to HF directories by
 `threefold bench peers convert`), plain `generate` and assisted `generate(assistant_model=draft)`
@@ -124,7 +125,7 @@ TREES = {"eagle-tree": {"tree_top_k": 4, "tree_total_tokens": 12},
 
 def configs(methods: list[str], heads_dir: Path, k: int, heads: dict[str, str] | None = None,
             draft_model: str = "qwen2.5-coder-0.5b") -> dict[str, dict | None]:
-    """methods: NAME[@HEADS][:K][:vN][:fixed] each; heads: method -> heads directory name under heads_dir
+    """methods: NAME[@HEADS][:K][:vN][:int8][:fixed] each; heads: method -> heads directory name under heads_dir
     (default smollm2-135m-<method>); @HEADS names another one for that configuration."""
     out: dict[str, dict | None] = {"off": None}
     for spec in methods:
@@ -136,12 +137,15 @@ def configs(methods: list[str], heads_dir: Path, k: int, heads: dict[str, str] |
         if vocab:
             config["draft_vocab_size"] = int(vocab[0][1:])
             options = [o for o in options if o not in vocab]
+        if "int8" in options:
+            config["quantization"] = "int8"
+            options.remove("int8")
         if options and options[0] != "fixed":
             config["num_speculative_tokens"] = int(options.pop(0))
         if options == ["fixed"]:
             config["adaptive"] = False
         elif options:
-            raise SystemExit(f"{spec!r}: a method is NAME[@HEADS][:K][:vN][:fixed]")
+            raise SystemExit(f"{spec!r}: a method is NAME[@HEADS][:K][:vN][:int8][:fixed]")
         if method == "draft_model":
             config["model"] = draft_model
         if method in ("eagle", "medusa"):

@@ -16,7 +16,14 @@ import torch.nn.functional as F
 
 from tests.prompts import PROMPTS
 from threefold.env import Env
-from threefold.kernels import available_targets, build_kernels, cpu_kernels, few_rows_max, has_few_row_linear
+from threefold.kernels import (
+    available_targets,
+    build_kernels,
+    cpu_kernels,
+    few_rows_max,
+    has_few_row_linear,
+    has_int8_linear,
+)
 from threefold.model.llama import Linear, apply_rope
 from threefold.sample.params import SamplingParams
 from threefold.sample.sampler import Sampler, SamplingMetadata
@@ -320,6 +327,58 @@ def test_linear_small_matches_float64(kernels, x_dtype, w_dtype, rows, out_featu
     assert not kernels.linear_small(out, x.to(torch.float16), w, b)  # a dtype it does not take: declined
     if bias:
         assert not kernels.linear_small(out, x, w, b.to(_BF16 if out_dtype == _F32 else _F32))  # bias not out's dtype
+
+
+@pytest.mark.parametrize("x_dtype", [_F32, _BF16])
+@pytest.mark.parametrize("rows,out_features,in_features,bias", [
+    (1, 960, 576, True),     # SmolLM2's qkv at batch 1
+    (1, 35, 50, True),       # a partial row block and a partial K chunk
+    (5, 17, 96, False),      # a partial tile of x rows
+    (16, 130, 203, True),    # FEW_ROWS_MAX-sized batches, every tail at once
+])
+def test_linear_small_int8_matches_float64(kernels, x_dtype, rows, out_features, in_features, bias):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, 2 * in_features, generator=gen).to(x_dtype)[:, :in_features]  # strided rows
+    w = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    scale = torch.rand(out_features, generator=gen) / 64 + 1e-3
+    b = torch.randn(out_features, generator=gen).to(x_dtype) if bias else None
+    out = torch.full((rows, out_features), float("nan"), dtype=x_dtype)
+    if kernels.build_isa() == "generic":  # no vector path (x86-64-v2): declined, nothing written
+        assert not kernels.linear_small_int8(out, x, w, scale, b)
+        assert torch.isnan(out).all() and not has_int8_linear(kernels)
+        return
+    assert kernels.linear_small_int8(out, x, w, scale, b) and has_int8_linear(kernels)
+    expected = F.linear(x.double(), w.double() * scale.double()[:, None], None if b is None else b.double())
+    torch.testing.assert_close(out.double(), expected, **({"atol": 1e-4, "rtol": 1e-5} if x_dtype == _F32
+                                                          else {"atol": 0.25, "rtol": 8e-3}))
+    assert not kernels.linear_small_int8(out, x, w.t(), scale, b)  # a strided weight: declined
+    assert not kernels.linear_small_int8(out, x, w, scale[:-1], b)  # a scale per row, or nothing
+    assert not kernels.linear_small_int8(out, x, w.float(), scale, b)  # not int8: declined
+    assert not kernels.linear_small_int8(out.to(_BF16 if x_dtype == _F32 else _F32), x, w, scale, b)  # out not x's
+
+
+def test_linear_store_int8_is_within_half_a_step_and_serves_few_rows(native_kernels):
+    kernels = native_kernels
+    if not has_int8_linear(kernels):
+        pytest.skip("this build has no int8 few-row linear (no AVX2)")
+    layer, x, _ = _bf16_linear(5, few_rows_max(kernels) + 3)
+    weight = layer.weight.detach().double()
+    layer.pack()
+    layer.store_int8()
+    layer.use_kernels(kernels, torch.bfloat16)
+    q, scale = layer.stream_weight, layer.stream_scale
+    assert q.dtype == torch.int8 and layer.kernels is kernels and layer.max_rows == few_rows_max(kernels)
+    error = (q.double() * scale.double()[:, None] - weight).abs()
+    assert (error <= scale.double()[:, None] * (0.5 + 1e-4)).all()  # round to nearest: half a step (+ fp32's division)
+    assert (q.abs().amax(dim=1) == 127).all()  # each row's largest weight sets its scale
+    dequantized = q.double() * scale.double()[:, None]
+    expected = F.linear(x.double(), dequantized, layer.bias.double())
+    few = x[: layer.max_rows]
+    torch.testing.assert_close(layer(few).double(), expected[: layer.max_rows], atol=0.25, rtol=8e-3)
+    torch.testing.assert_close(layer(x).double(), F.linear(x.double(), weight, layer.bias.double()),
+                               atol=0.25, rtol=8e-3)  # more rows: the packed bf16 weight, not the int8 codes
+    sliced = layer.rows(torch.tensor([3, 0, 2]))  # a draft vocabulary's rows keep the int8 stream
+    assert torch.equal(sliced.stream_weight, q[[3, 0, 2]]) and torch.equal(sliced.stream_scale, scale[[3, 0, 2]])
 
 
 def test_few_row_linear_probe_names_the_dtype_pairs(kernels):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from threefold.errors import ThreefoldError
 from threefold.spec.config import SpeculativeConfig
@@ -30,6 +31,58 @@ def test_self_draft_is_the_greedy_continuation(smollm2_fp32):
     assert proposer.propose([DraftRequest("r", prompt, 2)])[0].token_ids == expected[:2]
     proposer.remove("r")
     assert not proposer.caches
+
+
+def test_int8_draft_streams_int8_weights_and_drafts_its_own_greedy_continuation(smollm2_fp32):
+    """quantization="int8": every few-row linear of the draft streams int8 codes with per-row scales
+    (where the native kernel runs), and the drafts are that int8 model's own greedy tokens."""
+    from threefold.kernels import has_int8_linear
+    from threefold.model.llama import Linear
+
+    proposer = make_proposer(SpeculativeConfig("draft_model", 4, model="smollm2-135m", quantization="int8"),
+                             smollm2_fp32)
+    linears = [m for m in proposer.model.modules() if isinstance(m, Linear)]
+    if has_int8_linear(proposer.model.kernels):
+        assert all(m.stream_weight.dtype == torch.int8 and m.stream_scale is not None and m.kernels is not None
+                   for m in linears)
+    else:  # no AVX2 build: the draft keeps the target's dtype, and says so
+        assert all(m.stream_scale is None for m in linears)
+    prompt = smollm2_fp32.tokenizer.encode("The three primary colours are")
+    expected, _ = greedy(proposer.model, prompt, 4)
+    assert proposer.propose([DraftRequest("r", prompt, 4)])[0].token_ids == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("native", [False, True])
+def test_dense_kv_attention_matches_sdpa(dtype, native):
+    """DenseKV over a few calls (a prompt, one row, a 5-row catch-up), through the native kernel or
+    grouped_attention, equals SDPA over the whole context with K/V repeated per query head."""
+    import torch.nn.functional as F
+
+    from threefold.kernels import cpu_kernels
+    from threefold.spec.draft_model import DenseKV
+
+    kernels = cpu_kernels() if native else None
+    if native and kernels is None:
+        pytest.skip("no native kernels on this machine")
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim = 14, 2, 64  # Qwen2.5-0.5B's GQA shape
+    cache = DenseKV(kernels)
+    keys, values = [], []
+    for rows in (9, 1, 5):
+        q, k, v = (torch.randn(rows, h, dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+        keys.append(k)
+        values.append(v)
+        out = cache(0, q, k, v)
+        kk, vv = torch.cat(keys), torch.cat(values)
+        offset = kk.shape[0] - rows
+        mask = torch.arange(kk.shape[0])[None, :] <= torch.arange(rows)[:, None] + offset
+        expected = F.scaled_dot_product_attention(
+            q.double().transpose(0, 1), kk.double().repeat_interleave(heads // kv_heads, 1).transpose(0, 1),
+            vv.double().repeat_interleave(heads // kv_heads, 1).transpose(0, 1), attn_mask=mask).transpose(0, 1)
+        assert out.dtype == dtype and out.shape == q.shape
+        torch.testing.assert_close(out.double(), expected, **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32
+                                                             else {"atol": 2e-2, "rtol": 2e-2}))
 
 
 def test_draft_with_another_vocabulary_is_refused(smollm2_fp32, tmp_path):

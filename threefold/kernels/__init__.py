@@ -239,6 +239,15 @@ def few_rows_max(kernels: ModuleType | None) -> int:
     return 2 if kernels.build_isa() in ("avx512", "amx") else FEW_ROWS_MAX
 
 
+def has_int8_linear(kernels: ModuleType | None) -> bool:
+    """Whether `kernels.linear_small_int8` (int8 weights, per-row fp32 scales) runs on this
+    build: a probe on a tiny input, as `has_few_row_linear`."""
+    if kernels is None or not hasattr(kernels, "linear_small_int8"):
+        return False
+    x, w = torch.zeros(1, 32), torch.zeros(16, 32, dtype=torch.int8)
+    return bool(kernels.linear_small_int8(torch.empty(1, 16), x, w, torch.ones(16), None))
+
+
 def has_few_row_linear(kernels: ModuleType | None, x_dtype: torch.dtype = torch.bfloat16,
                        w_dtype: torch.dtype | None = None) -> bool:
     """Whether `kernels.linear_small` runs on this build for x of `x_dtype` and weights of

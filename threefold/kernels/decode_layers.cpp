@@ -18,7 +18,8 @@
 //   residual += hidden; hidden = rms_norm(residual); hidden = down(silu(gate) * up)
 //   end: residual += hidden; return rms_norm(residual)
 //
-// A linear runs as the Python `Linear` does: `linear_small` while the rows fit its kernel, else
+// A linear runs as the Python `Linear` does: `linear_small` (`linear_small_int8` for an int8
+// stream) while the rows fit its kernel, else
 // oneDNN's prepacked weight (mkldnn::_linear_pointwise, called through the dispatcher), else
 // at::linear. Llama-style layers only (q/k-norm models keep the Python loop).
 
@@ -31,6 +32,7 @@
 #include <vector>
 
 bool linear_small(at::Tensor out, at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
+bool linear_small_int8(at::Tensor out, at::Tensor x, at::Tensor w, at::Tensor scale, c10::optional<at::Tensor> bias);
 void add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps, bool add);
 void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin);
 void silu_and_mul(at::Tensor out, at::Tensor gate_up);
@@ -47,7 +49,7 @@ void kivi_encode(at::Tensor k_codes, at::Tensor v_codes, at::Tensor k_scales, at
 
 namespace {
 
-constexpr int kNorms = 2, kLinears = 4, kPerLinear = 4;  // per linear: stream, packed, weight, bias
+constexpr int kNorms = 2, kLinears = 4, kPerLinear = 5;  // per linear: stream, its scale, packed, weight, bias
 constexpr int kPerLayer = kNorms + kLinears * kPerLinear;
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
@@ -59,17 +61,21 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   return op.call(x, packed, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::string_view(""));
 }
 
-// One Linear: weights[i..i+3] = stream (the few-row kernel's weight, or None where it does not
-// run), packed (oneDNN's, or None), weight (possibly on the meta device once packed), bias.
+// One Linear: weights[i..i+4] = stream (the few-row kernel's weight, or None where it does not
+// run), its per-row scales (int8 streams; else None), packed (oneDNN's, or None), weight (possibly
+// on the meta device once packed), bias.
 at::Tensor linear(const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& weights, size_t i,
                   int64_t max_rows) {
   const auto& stream = weights[i];
-  const auto& packed = weights[i + 1];
-  const at::Tensor& weight = *weights[i + 2];
-  const auto& bias = weights[i + 3];
+  const auto& stream_scale = weights[i + 1];
+  const auto& packed = weights[i + 2];
+  const at::Tensor& weight = *weights[i + 3];
+  const auto& bias = weights[i + 4];
   if (stream.has_value() && x.size(0) <= max_rows) {
     at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
-    if (linear_small(out, x, *stream, bias)) return out;
+    if (stream_scale.has_value() ? linear_small_int8(out, x, *stream, *stream_scale, bias)
+                                 : linear_small(out, x, *stream, bias))
+      return out;
   }
   if (packed.has_value()) return packed_linear(x, *packed, bias);
   return at::linear(x, weight, bias);

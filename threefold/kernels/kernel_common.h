@@ -100,11 +100,15 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t n, float* inv_sum)
 constexpr float kHiddenScore = -1e30f;
 
 #ifdef THREEFOLD_AVX2
-// 8 floats from 8 fp32 or 8 bf16 values (bf16: zero-extend, shift into the top half).
+// 8 floats from 8 fp32, bf16 or int8 values (bf16: zero-extend, shift into the top half; int8:
+// sign-extend, convert).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
 inline float hsum8(__m256 v) {

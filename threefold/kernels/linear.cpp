@@ -1,10 +1,14 @@
-// threefold-exports: linear_small argmax_rows build_isa
+// threefold-exports: linear_small linear_small_int8 argmax_rows build_isa
 //
 // linear_small -- out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]) for the few-row case (decode at
 // small batch): a streaming pass over W, which is what bounds it. Dtypes (x, w, out/bias):
 // (fp32, fp32, fp32), (bf16, bf16, bf16) and (fp32, bf16, fp32): weights stored in bf16 and
 // widened to fp32 in registers (half the bytes to stream; the arithmetic is fp32 FMA, for CPUs
 // with no bf16 dot product). Paths: AVX-512 (same-dtype pairs, as before) and AVX2+FMA.
+//
+// linear_small_int8 -- the same with int8 weights and one fp32 scale per output row:
+// out[m, n] = scale[n] (x[m] . w[n]) (+ bias[n]), x and out fp32 or bf16 (the AVX2 path: a
+// quarter of fp32's bytes to stream, half of bf16's; model/llama.py's Linear.store_int8).
 //
 // argmax_rows -- row-wise argmax of logits, torch.argmax's semantics (first index of the
 // maximum; a NaN wins).
@@ -155,11 +159,12 @@ inline void tile_rows(int rows, const W* const (&w)[kNR], int64_t k_dim, const f
   tile<MR>(w, k_dim, x, x_stride, res, ahead);
 }
 
-// x: fp32 rows x_stride apart; w: [N, K] contiguous; out rows o_stride apart; bias [N] or null.
-// Threads split N into blocks of kNR weight rows; a block stays in L1 while all of x passes it.
+// x: fp32 rows x_stride apart; w: [N, K] contiguous; out rows o_stride apart; bias [N] or null;
+// scale [N] (int8 weights) or null. Threads split N into blocks of kNR weight rows; a block stays
+// in L1 while all of x passes it.
 template <typename W, typename O>
 void linear(const float* x, int64_t x_stride, int64_t m_dim, const W* w, int64_t n_dim, int64_t k_dim,
-            const O* bias, O* out, int64_t o_stride) {
+            const O* bias, O* out, int64_t o_stride, const float* scale = nullptr) {
   const int64_t num_blocks = (n_dim + kNR - 1) / kNR;
   at::parallel_for(0, num_blocks, 8, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb) {
@@ -176,28 +181,32 @@ void linear(const float* x, int64_t x_stride, int64_t m_dim, const W* w, int64_t
         tile_rows<kMR>(mr, wr, k_dim, x + m0 * x_stride, x_stride, res, m0 == 0 ? ahead : nullptr);
         for (int m = 0; m < mr; ++m)
           for (int64_t n = 0; n < rows; ++n)
-            out[(m0 + m) * o_stride + n0 + n] = static_cast<O>(res[m][n] + (bias ? to_float(bias[n0 + n]) : 0.f));
+            out[(m0 + m) * o_stride + n0 + n] = static_cast<O>(res[m][n] * (scale ? scale[n0 + n] : 1.f) +
+                                                               (bias ? to_float(bias[n0 + n]) : 0.f));
       }
     }
   });
+}
+
+// x as fp32 rows: x itself, or widened from bf16 into `widened` (rows k_dim apart, *x_stride set).
+const float* fp32_rows(const at::Tensor& x, std::vector<float>& widened, int64_t* x_stride) {
+  *x_stride = x.stride(0);
+  if (x.scalar_type() != at::kBFloat16) return x.data_ptr<float>();
+  const int64_t m_dim = x.size(0), k_dim = x.size(1);
+  widened.resize(m_dim * k_dim);
+  const at::BFloat16* src = x.data_ptr<at::BFloat16>();
+  for (int64_t m = 0; m < m_dim; ++m)
+    for (int64_t k = 0; k < k_dim; ++k) widened[m * k_dim + k] = to_float(src[m * *x_stride + k]);
+  *x_stride = k_dim;
+  return widened.data();
 }
 
 // The AVX2 path for every supported dtype combination; x is widened to fp32 first if bf16.
 void linear_any(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   const int64_t m_dim = x.size(0), k_dim = x.size(1), n_dim = w.size(0);
   std::vector<float> widened;
-  const float* xf = nullptr;
-  int64_t x_stride = x.stride(0);
-  if (x.scalar_type() == at::kBFloat16) {
-    widened.resize(m_dim * k_dim);
-    const at::BFloat16* src = x.data_ptr<at::BFloat16>();
-    for (int64_t m = 0; m < m_dim; ++m)
-      for (int64_t k = 0; k < k_dim; ++k) widened[m * k_dim + k] = to_float(src[m * x_stride + k]);
-    xf = widened.data();
-    x_stride = k_dim;
-  } else {
-    xf = x.data_ptr<float>();
-  }
+  int64_t x_stride = 0;
+  const float* xf = fp32_rows(x, widened, &x_stride);
   const int64_t o_stride = out.stride(0);
   if (out.scalar_type() == at::kBFloat16) {  // (bf16, bf16, bf16)
     linear(xf, x_stride, m_dim, w.data_ptr<at::BFloat16>(), n_dim, k_dim,
@@ -209,6 +218,23 @@ void linear_any(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
     linear(xf, x_stride, m_dim, w.data_ptr<float>(), n_dim, k_dim, bias ? bias->data_ptr<float>() : nullptr,
            out.data_ptr<float>(), o_stride);
   }
+}
+
+// int8 weights with per-row scales: x and out (and bias) both fp32 or both bf16.
+void linear_int8(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                 const c10::optional<at::Tensor>& bias) {
+  const int64_t m_dim = x.size(0), k_dim = x.size(1), n_dim = w.size(0), o_stride = out.stride(0);
+  std::vector<float> widened;
+  int64_t x_stride = 0;
+  const float* xf = fp32_rows(x, widened, &x_stride);
+  const int8_t* wq = w.data_ptr<int8_t>();
+  const float* s = scale.data_ptr<float>();
+  if (out.scalar_type() == at::kBFloat16)
+    linear(xf, x_stride, m_dim, wq, n_dim, k_dim, bias ? bias->data_ptr<at::BFloat16>() : nullptr,
+           out.data_ptr<at::BFloat16>(), o_stride, s);
+  else
+    linear(xf, x_stride, m_dim, wq, n_dim, k_dim, bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(),
+           o_stride, s);
 }
 
 }  // namespace avx2
@@ -230,6 +256,22 @@ bool linear_fits(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w
          (bias->is_contiguous() && bias->scalar_type() == ot && bias->numel() == w.size(0) && bias->device().type() == at::kCPU);
 }
 
+// linear_small_int8's inputs: linear_fits' shapes, int8 weights, fp32 scales [N], x / out / bias one dtype.
+bool int8_fits(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+               const c10::optional<at::Tensor>& bias) {
+  if (x.dim() != 2 || w.dim() != 2 || out.dim() != 2 || x.size(1) != w.size(1) || out.size(0) != x.size(0) ||
+      out.size(1) != w.size(0) || x.stride(1) != 1 || out.stride(1) != 1 || !w.is_contiguous() || x.size(1) == 0)
+    return false;
+  const auto xt = x.scalar_type();
+  if (w.scalar_type() != at::kChar || (xt != at::kFloat && xt != at::kBFloat16) || out.scalar_type() != xt ||
+      scale.scalar_type() != at::kFloat || !scale.is_contiguous() || scale.numel() != w.size(0))
+    return false;
+  for (const at::Tensor* t : {&out, &x, &w, &scale})
+    if (t->device().type() != at::kCPU) return false;
+  return !bias.has_value() ||
+         (bias->is_contiguous() && bias->scalar_type() == xt && bias->numel() == w.size(0) && bias->device().type() == at::kCPU);
+}
+
 }  // namespace
 
 // Returns false (nothing written) where this build has no vector path (x86-64-v2) or the
@@ -247,6 +289,17 @@ bool linear_small(at::Tensor out, at::Tensor x, at::Tensor w, c10::optional<at::
 #endif
 #ifdef THREEFOLD_AVX2
   avx2::linear_any(out, x, w, bias);
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Returns false (nothing written) where this build has no AVX2 path or the inputs don't fit.
+bool linear_small_int8(at::Tensor out, at::Tensor x, at::Tensor w, at::Tensor scale, c10::optional<at::Tensor> bias) {
+  if (!int8_fits(out, x, w, scale, bias)) return false;
+#ifdef THREEFOLD_AVX2
+  avx2::linear_int8(out, x, w, scale, bias);
   return true;
 #else
   return false;

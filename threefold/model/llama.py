@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from threefold.errors import ThreefoldError
-from threefold.kernels import few_rows_max, has_few_row_linear
+from threefold.kernels import few_rows_max, has_few_row_linear, has_int8_linear
 from threefold.model.config import ModelArchConfig
 
 AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -93,6 +93,8 @@ class Linear(nn.Linear):
 
     packed: Tensor | None = None
     stream_weight: Tensor | None = None
+    stream_scale: Tensor | None = None
+    """Per-row fp32 scales of an int8 `stream_weight` (`store_int8`); None for a float stream."""
     kernels: ModuleType | None = None
     max_rows: int = 0
     """Calls of at most this many rows take the few-row kernel."""
@@ -116,12 +118,31 @@ class Linear(nn.Linear):
             self.stream_weight = self.weight.data.to(torch.bfloat16)
             self.weight.data.copy_(self.stream_weight)
 
+    def store_int8(self) -> None:
+        """Keep an int8 copy of the weight for the few-row kernel to stream (weight-only, symmetric,
+        one fp32 scale per output row: w ~ scale[n] q[n, k], |error| <= scale / 2): a quarter of
+        fp32's bytes, half of bf16's. Lossy, so for a draft model (whose drafts the target checks),
+        not the target; calls of more rows keep the packed (or plain) weight."""
+        if self.stream_scale is not None:  # a tied weight is quantized once
+            return
+        source = self.weight if self.weight.device.type != "meta" else self.stream_weight
+        assert source is not None and source.device.type != "meta", "store_int8 needs the plain weight"
+        weight = source.detach().float()
+        scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+        self.stream_weight = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.stream_scale = scale
+
     def use_kernels(self, kernels: ModuleType | None, compute: torch.dtype) -> None:
         """Take the few-row kernel where it runs for this compute dtype, streaming the plain weight
-        (or the bf16 copy `store_bf16` kept); None: never."""
+        (or the bf16 copy `store_bf16` kept, or the int8 one `store_int8` kept); None: never."""
         if self.stream_weight is None and self.weight.device.type != "meta":
             self.stream_weight = self.weight.detach()  # a plain view: no second Parameter
         stream = self.stream_weight
+        if self.stream_scale is not None:
+            runs = has_int8_linear(kernels)
+            self.kernels = kernels if runs else None
+            self.max_rows = few_rows_max(kernels) if runs else 0
+            return
         runs = stream is not None and has_few_row_linear(kernels, compute, stream.dtype)
         self.kernels = kernels if runs else None
         self.max_rows = few_rows_max(kernels) if runs else 0
@@ -133,6 +154,8 @@ class Linear(nn.Linear):
         source = self.weight if self.weight.device.type != "meta" else self.stream_weight
         if source is None or source.device.type == "meta":
             raise ThreefoldError("this Linear keeps only its packed weight; its rows cannot be taken.")
+        if source is self.stream_weight and self.stream_scale is not None:  # int8 codes: their values
+            source = source.float() * self.stream_scale[:, None]
         ids = ids.to(source.device)
         sliced = Linear(self.in_features, len(ids), bias=self.bias is not None, device="meta")
         sliced.weight = nn.Parameter(source.index_select(0, ids).to(self.weight.dtype), requires_grad=False)
@@ -144,13 +167,16 @@ class Linear(nn.Linear):
             stream = self.stream_weight
             sliced.stream_weight = sliced.weight.detach() if stream.dtype == sliced.weight.dtype \
                 else stream.index_select(0, ids)
+            if self.stream_scale is not None:
+                sliced.stream_scale = self.stream_scale.index_select(0, ids)
             sliced.kernels, sliced.max_rows = self.kernels, self.max_rows
         return sliced
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kernels is not None and x.dim() == 2 and x.shape[0] <= self.max_rows:
             out = x.new_empty(x.shape[0], self.out_features)
-            if self.kernels.linear_small(out, x, self.stream_weight, self.bias):
+            if (self.kernels.linear_small(out, x, self.stream_weight, self.bias) if self.stream_scale is None
+                    else self.kernels.linear_small_int8(out, x, self.stream_weight, self.stream_scale, self.bias)):
                 return out
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -386,6 +412,12 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.store_bf16()
 
+    def store_int8(self) -> None:
+        """int8 few-row streams for every Linear (`Linear.store_int8`): a draft model's weights."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.store_int8()
+
     def pack_weights(self, keep_plain: bool = False) -> None:
         """Prepack every bf16 Linear for oneDNN (see `Linear`). Unless keep_plain (the
         few-row kernel reads the plain form), a packed matrix no longer needed in its plain
@@ -419,8 +451,9 @@ class CausalLM(nn.Module):
             linears: tuple[Linear, ...] = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                                            layer.mlp.down_proj)
             for linear in linears:
-                weights += [linear.stream_weight if linear.kernels is not None else None, linear.packed,
-                            linear.weight, linear.bias]
+                streams = linear.kernels is not None
+                weights += [linear.stream_weight if streams else None, linear.stream_scale if streams else None,
+                            linear.packed, linear.weight, linear.bias]
                 max_rows.append(linear.max_rows)
         return weights, max_rows
 

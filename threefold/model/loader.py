@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -12,7 +13,7 @@ import torch
 from threefold.cpu import cpu_info
 from threefold.env import Env
 from threefold.errors import ModelNotFoundError, ThreefoldError
-from threefold.kernels import cpu_kernels, has_few_row_linear
+from threefold.kernels import cpu_kernels, has_few_row_linear, has_int8_linear
 from threefold.model import gguf_loader, hf_loader
 from threefold.model.config import ModelArchConfig
 from threefold.model.llama import CausalLM
@@ -21,6 +22,10 @@ from threefold.model.tokenizer import Tokenizer
 from threefold.model.weights import TensorSource, fused_state_dict
 
 FINGERPRINT_HEAD_BYTES = 1 << 20
+QUANTIZATIONS = (None, "int8")
+"""Weight formats `load_model` can stream: the checkpoint's (None), or int8 (`build_model`)."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,9 +67,10 @@ def fingerprint(files: list[Path], numerics: Precision | None, extra: bytes = b"
 
 
 def build_model(config: ModelArchConfig, source: TensorSource, max_len: int, device: str,
-                precision: Precision, kernels: ModuleType | None) -> CausalLM:
+                precision: Precision, kernels: ModuleType | None, quantization: str | None = None) -> CausalLM:
     """Construct on the meta device (no random init), assign the checkpoint tensors, and lay
-    the linear weights out for `precision` and `kernels`."""
+    the linear weights out for `precision` and `kernels` (quantization "int8": few-row calls
+    stream int8 weights, `CausalLM.store_int8`)."""
     state = fused_state_dict(source, config)
     with torch.device("meta"):
         model = CausalLM(config)
@@ -78,9 +84,16 @@ def build_model(config: ModelArchConfig, source: TensorSource, max_len: int, dev
     model.eval().to(device)
     if precision.mixed:
         model.store_bf16()
-    # The few-row kernel streams the plain weights, where it runs over them; under bf16-weights it
-    # streams the bf16 copy, so the fp32 weight is needed only packed, for GEMMs.
-    streams_plain = has_few_row_linear(kernels, precision.compute, precision.weights) and not precision.mixed
+    int8 = quantization == "int8" and has_int8_linear(kernels)
+    if quantization == "int8" and not int8:
+        logger.warning("quantization=int8 needs the native few-row kernel (AVX2), which this machine's build "
+                       "lacks: the weights stay %s", precision.name)
+    if int8:
+        model.store_int8()
+    # The few-row kernel streams the plain weights, where it runs over them; under bf16-weights (or
+    # int8) it streams its own copy, so the plain weight is needed only packed, for GEMMs.
+    streams_plain = (has_few_row_linear(kernels, precision.compute, precision.weights) and not precision.mixed
+                     and not int8)
     model.pack_weights(keep_plain=streams_plain)
     model.use_kernels(kernels)
     model.init_rope(max_len)
@@ -95,13 +108,20 @@ def _dedup(ids: list[int | None]) -> list[int]:
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 
-def load_gguf(path: Path, name: str, dtype: str, device: str, max_model_len: int | None) -> LoadedModel:
+def _quant_tag(quantization: str | None) -> bytes:
+    """The fingerprint's record of the weights' stream format (nothing for the default)."""
+    return f"quantization={quantization}".encode() if quantization else b""
+
+
+def load_gguf(path: Path, name: str, dtype: str, device: str, max_model_len: int | None,
+              quantization: str | None = None) -> LoadedModel:
     reader = gguf_loader.open_gguf(path)
     checkpoint_dtype = torch.float32 if gguf_loader.gguf_is_full_precision(reader) else torch.bfloat16
     precision, kernels = choose_precision(dtype, checkpoint_dtype, device)
     config = gguf_loader.gguf_arch_config(reader, precision.compute)
     max_len = _max_len(config, max_model_len)
-    model = build_model(config, gguf_loader.GGUFTensorSource(reader, config), max_len, device, precision, kernels)
+    model = build_model(config, gguf_loader.GGUFTensorSource(reader, config), max_len, device, precision, kernels,
+                        quantization)
     file_id = fingerprint([path], None)
     tokenizer = Tokenizer.from_gguf(
         path, gguf_loader.gguf_chat_template(reader), cache_dir=Env.read().home / "tokenizers" / file_id[:32]
@@ -114,19 +134,20 @@ def load_gguf(path: Path, name: str, dtype: str, device: str, max_model_len: int
         eos_token_ids=_dedup([*gguf_loader.gguf_eos_token_ids(reader), tokenizer.eos_token_id,
                               *tokenizer.end_of_generation_ids()]),
         precision=precision,
-        fingerprint=fingerprint([path], precision),
+        fingerprint=fingerprint([path], precision, extra=_quant_tag(quantization)),
         name=name,
         max_model_len=max_len,
     )
 
 
-def load_hf_dir(path: Path, name: str, dtype: str, device: str, max_model_len: int | None) -> LoadedModel:
+def load_hf_dir(path: Path, name: str, dtype: str, device: str, max_model_len: int | None,
+                quantization: str | None = None) -> LoadedModel:
     raw = hf_loader.read_config(path)
     precision, kernels = choose_precision(dtype, hf_loader.checkpoint_dtype(raw), device)
     config = hf_loader.hf_arch_config(raw, precision.compute)
     max_len = _max_len(config, max_model_len)
     with hf_loader.SafetensorsSource(path) as source:
-        model = build_model(config, source, max_len, device, precision, kernels)
+        model = build_model(config, source, max_len, device, precision, kernels, quantization)
         files = source.files
     tokenizer = Tokenizer.from_dir(path)
     generation = hf_loader.read_generation_config(path)
@@ -138,24 +159,29 @@ def load_hf_dir(path: Path, name: str, dtype: str, device: str, max_model_len: i
         generation_defaults=hf_loader.sampling_defaults(generation),
         eos_token_ids=_dedup([*eos, tokenizer.eos_token_id]),
         precision=precision,
-        fingerprint=fingerprint(files, precision, extra=(path / "config.json").read_bytes()),
+        fingerprint=fingerprint(files, precision, extra=(path / "config.json").read_bytes() + _quant_tag(quantization)),
         name=name,
         max_model_len=max_len,
     )
 
 
 def load_model(
-    model: str, dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None
+    model: str, dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
-    """Load a registry name (pulled on first use), a .gguf file, or an HF checkpoint directory."""
+    """Load a registry name (pulled on first use), a .gguf file, or an HF checkpoint directory.
+    quantization: None, or "int8" (`build_model`; a draft model's option, `SpeculativeConfig`)."""
     from threefold.model.registry import REGISTRY, resolve
 
     if max_model_len is not None and max_model_len <= 0:
         raise ThreefoldError(f"max_model_len must be positive, got {max_model_len}", param="max_model_len")
+    if quantization not in QUANTIZATIONS:
+        raise ThreefoldError(f"unknown quantization {quantization!r}; use one of "
+                             f"{', '.join(str(q) for q in QUANTIZATIONS)}.", param="quantization")
     path = resolve(model)
     name = model if model in REGISTRY else path.name
     if path.is_dir():
-        return load_hf_dir(path, name, dtype, device, max_model_len)
+        return load_hf_dir(path, name, dtype, device, max_model_len, quantization)
     if path.suffix == ".gguf" or path.is_file():
-        return load_gguf(path, name, dtype, device, max_model_len)
+        return load_gguf(path, name, dtype, device, max_model_len, quantization)
     raise ModelNotFoundError(f"no model at {path}")

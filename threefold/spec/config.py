@@ -2,6 +2,7 @@
 
     {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
     {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 5}
+    {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "quantization": "int8"}
     {"method": "eagle", "model": "<heads dir>", "num_speculative_tokens": 5, "tree_top_k": 4,
      "tree_total_tokens": 16}
     {"method": "medusa", "model": "<heads dir>", "speculative_token_tree": "[(0,), (1,), (0, 0)]"}
@@ -61,6 +62,10 @@ class SpeculativeConfig:
     """Weight of the newest step in each request's acceptance-rate EMA, in (0, 1]."""
     disable_by_batch_size: int | None = None
     """Draft nothing while at least this many requests run (vLLM's option); None = never."""
+    quantization: str | None = None
+    """draft_model: "int8" streams the draft's weights as int8 with per-row scales in its
+    decode steps (half of bf16's bytes, where drafting is bound by reading them); None: the
+    target's dtype. Lossless either way: the target verifies every draft."""
     draft_vocab_size: int | None = None
     """medusa/eagle: draft over only the N tokens the target wrote most often in the heads'
     training answers (FR-Spec / EAGLE-3's draft vocabulary): the heads' LM head computes N rows
@@ -85,6 +90,11 @@ class SpeculativeConfig:
                  or (_is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
                  f"disable_by_batch_size must be a positive integer or null, got {self.disable_by_batch_size!r}.",
                  "disable_by_batch_size")
+        if self.quantization is not None:
+            _require(self.method == "draft_model", f"quantization sets a draft model's weight format; method "
+                     f"{self.method!r} has no draft model.", "quantization")
+            _require(self.quantization == "int8", f"quantization must be 'int8' or null, got "
+                     f"{self.quantization!r}.", "quantization")
         if self.draft_vocab_size is not None:
             _require(self.method in ("medusa", "eagle"), f"draft_vocab_size slices the LM head of trained heads; "
                      f"method {self.method!r} has none.", "draft_vocab_size")

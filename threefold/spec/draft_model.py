@@ -13,14 +13,16 @@ costs once the cache is current, not by prompt prefills.
 from __future__ import annotations
 
 import time
+from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from threefold.errors import ThreefoldError
 from threefold.spec.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from threefold.spec.proposer import Draft, DraftRequest, Proposer
+
+_EMPTY_LONG = torch.empty(0, dtype=torch.long)
 
 TOKENIZER_PROBE = "def main():\n    print('héllo, wörld', 12345)  # 你好 🙂\n"
 """Text whose ids must agree between draft and target tokenizers (code, accents, CJK, emoji)."""
@@ -38,25 +40,49 @@ def check_compatible(target, draft) -> None:
                              f"must share the target's tokenizer.", param=param)
 
 
-class DenseKV:
-    """An AttentionFn with a contiguous per-layer cache for one sequence, cut back with `truncate`."""
+def grouped_attention(q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+    """Causal attention of q [T, H, D], the last T of the P positions, over keys / values [P, KVH, D],
+    in fp32, each kv head's query heads as the rows of one matmul (no copy of K/V per query head,
+    which SDPA's GQA-by-repeat needs: 2.5x this at one row, Qwen-0.5B's shapes). Returns q's dtype."""
+    rows, heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    qg = q.float().view(rows, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * rows, dim)
+    scores = torch.bmm(qg, keys.float().permute(1, 2, 0)).mul_(dim ** -0.5)  # [KVH, group * T, P]
+    if rows > 1:  # row t (of each head) sees positions <= P - T + t
+        offset = keys.shape[0] - rows
+        hidden = torch.arange(keys.shape[0])[None, :] > torch.arange(rows)[:, None] + offset  # [T, P]
+        scores.masked_fill_(hidden.repeat(group, 1), float("-inf"))
+    out = torch.bmm(scores.softmax(-1), values.float().transpose(0, 1))  # [KVH, group * T, D]
+    return out.view(kv_heads, group, rows, dim).permute(2, 0, 1, 3).reshape(rows, heads, dim).to(q.dtype)
 
-    def __init__(self) -> None:
+
+class DenseKV:
+    """An AttentionFn with a contiguous per-layer cache for one sequence, cut back with `truncate`.
+    With `kernels`, a call of a few rows (a draft token, a verify step's catch-up) attends through the
+    native paged decode kernel, the cache viewed as one block; otherwise `grouped_attention`."""
+
+    def __init__(self, kernels: ModuleType | None = None) -> None:
         self.keys: dict[int, Tensor] = {}
         self.values: dict[int, Tensor] = {}
         self.length = 0
+        self.kernels = kernels
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         past_k, past_v = self.keys.get(layer_idx), self.values.get(layer_idx)
         keys = k if past_k is None else torch.cat([past_k, k])  # [P + T, kv_heads, head_dim]
         values = v if past_v is None else torch.cat([past_v, v])
         self.keys[layer_idx], self.values[layer_idx] = keys, values
-        group = q.shape[1] // k.shape[1]
-        offset = keys.shape[0] - q.shape[0]
-        mask = torch.arange(keys.shape[0])[None, :] <= torch.arange(q.shape[0])[:, None] + offset  # [T, P + T]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.repeat_interleave(group, 1).transpose(0, 1),
-                                             values.repeat_interleave(group, 1).transpose(0, 1), attn_mask=mask)
-        return out.transpose(0, 1)
+        rows, total = q.shape[0], keys.shape[0]
+        if (self.kernels is None or rows > MAX_SPECULATIVE_TOKENS + 1 or q.dtype != keys.dtype
+                or q.dtype not in (torch.float32, torch.bfloat16)):
+            return grouped_attention(q, keys, values)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        seq_lens = torch.arange(total - rows + 1, total + 1)  # row t sees the positions up to its own
+        self.kernels.paged_decode_attention(out, q, keys.view(1, *keys.shape), values.view(1, *values.shape),
+                                            torch.zeros(rows, 1, dtype=torch.long), seq_lens,
+                                            q.shape[-1] ** -0.5, 0, _EMPTY_LONG, _EMPTY_LONG)
+        return out
 
     def truncate(self, length: int) -> None:
         for layer in self.keys:
@@ -75,7 +101,8 @@ class DraftModelProposer(Proposer):
     def from_config(cls, config: SpeculativeConfig, target=None) -> DraftModelProposer:
         from threefold.model.loader import load_model
 
-        draft = load_model(config.model_path, dtype=target.precision.name, max_model_len=target.max_model_len)
+        draft = load_model(config.model_path, dtype=target.precision.name, max_model_len=target.max_model_len,
+                           quantization=config.quantization)
         check_compatible(target, draft)
         return cls(draft)
 
@@ -88,7 +115,7 @@ class DraftModelProposer(Proposer):
         return [self._propose_one(r) for r in requests]
 
     def _propose_one(self, request: DraftRequest) -> Draft:
-        cache, seen = self.caches.get(request.request_id) or (DenseKV(), [])
+        cache, seen = self.caches.get(request.request_id) or (DenseKV(self.model.kernels), [])
         tokens = list(request.token_ids)
         common = cache.length if tokens[: cache.length] == seen[: cache.length] else 0
         common = min(common, len(tokens) - 1)  # the last real token is always fed: its logits draft x_L
