@@ -52,6 +52,41 @@ def test_int8_draft_streams_int8_weights_and_drafts_its_own_greedy_continuation(
     assert proposer.propose([DraftRequest("r", prompt, 4)])[0].token_ids == expected
 
 
+def test_draft_native_steps_equal_the_python_loop(smollm2_fp32, monkeypatch):
+    """A few-row draft forward runs every layer in one native call (kernels.decode_layers over the
+    DenseKV buffers), with the very hidden states of the layer-by-layer loop; a prompt-sized one
+    takes the loop."""
+    from threefold.spec.draft_model import DenseKV
+
+    proposer = make_proposer(SpeculativeConfig("draft_model", 4, model="smollm2-135m"), smollm2_fp32)
+    model = proposer.model
+    if not model.runs_decode_steps:
+        pytest.skip("no native decode loop on this machine")
+    calls = []
+    real = model.kernels.decode_layers
+    monkeypatch.setattr(model.kernels, "decode_layers", lambda *args: calls.append(1) or real(*args))
+    prompt = smollm2_fp32.tokenizer.encode("Here is a list of the planets of the solar system, in order from the "
+                                           "Sun:\n1. Mercury")
+    native, loop = DenseKV(model.kernels, len(model.layers)), DenseKV(model.kernels, len(model.layers))
+    for cache in (native, loop):
+        proposer._forward(cache, prompt, 0)
+    assert not calls  # the prompt: more rows than a verify step adds
+    tokens = [11, 42, 7]
+    got = proposer._forward(native, tokens, len(prompt))
+    assert len(calls) == 1 and native.length == len(prompt) + 3 and native.decode_step is None
+    model.native_decode = False
+    try:
+        expected = proposer._forward(loop, tokens, len(prompt))
+    finally:
+        model.native_decode = True
+    assert len(calls) == 1 and loop.length == len(prompt) + 3
+    assert torch.equal(got, expected)
+    for layer in range(len(model.layers)):
+        assert torch.equal(native.k[layer][0, : native.length], loop.k[layer][0, : loop.length])
+    native.truncate(len(prompt) + 1)  # a rejected draft's K/V: cut, then overwritten
+    assert native.length == len(prompt) + 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("native", [False, True])
 def test_dense_kv_attention_matches_sdpa(dtype, native):

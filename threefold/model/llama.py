@@ -436,6 +436,12 @@ class CausalLM(nn.Module):
         use_kernels_in(self, kernels, self.config.dtype)
         self._layer_weights = self._native_layer_weights()
 
+    @property
+    def runs_decode_steps(self) -> bool:
+        """Whether a `decode_step` (DecodeStep / KiviDecodeStep) on the attention runs every layer in
+        one native call; else forward takes the Python loop through the attention function."""
+        return self._layer_weights is not None and self.native_decode
+
     def _native_layer_weights(self) -> tuple[list[Tensor | None], list[int]] | None:
         """kernels.decode_layers' weights and few-row limits, in its order (see that file), or None
         where it cannot run this model: no kernels, q/k-norm layers, a dtype the norm kernel lacks."""
@@ -466,8 +472,8 @@ class CausalLM(nn.Module):
         """input_ids, positions: [T] long, a flattened batch. Returns hidden [T, hidden] after the final norm."""
         assert self.rope_cos is not None and self.rope_sin is not None, "call init_rope(max_len) after loading weights"
         step: DecodeStep | KiviDecodeStep | None = getattr(attention, "decode_step", None)
-        if step is not None and self._layer_weights is not None and self.native_decode:
-            assert self.kernels is not None
+        if step is not None and self.runs_decode_steps:
+            assert self.kernels is not None and self._layer_weights is not None
             config = self.config
             if isinstance(step, KiviDecodeStep):
                 return self.kernels.decode_layers_kivi(

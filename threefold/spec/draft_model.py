@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from threefold.errors import ThreefoldError
+from threefold.model.llama import DecodeStep
 from threefold.spec.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from threefold.spec.proposer import Draft, DraftRequest, Proposer
 
@@ -58,37 +59,80 @@ def grouped_attention(q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
 
 
 class DenseKV:
-    """An AttentionFn with a contiguous per-layer cache for one sequence, cut back with `truncate`.
-    With `kernels`, a call of a few rows (a draft token, a verify step's catch-up) attends through the
-    native paged decode kernel, the cache viewed as one block; otherwise `grouped_attention`."""
+    """An AttentionFn over one sequence's per-layer K/V in contiguous buffers [1, capacity, kvh, d]
+    (grown by doubling), cut back with `truncate` (no copy). With `kernels`, a forward of a few rows (a
+    draft token, a verify step's catch-up) runs every layer in one native call (`native_step`: the
+    buffers as one-block paged caches for kernels.decode_layers); a row-by-row call of a few rows
+    attends through the native paged decode kernel; anything else through `grouped_attention`."""
 
-    def __init__(self, kernels: ModuleType | None = None) -> None:
-        self.keys: dict[int, Tensor] = {}
-        self.values: dict[int, Tensor] = {}
-        self.length = 0
+    def __init__(self, kernels: ModuleType | None = None, num_layers: int = 0) -> None:
+        self.k: list[Tensor] = []
+        self.v: list[Tensor] = []
+        self.filled: list[int] = []
         self.kernels = kernels
+        self.num_layers = num_layers
+        """Layers of the model (0: unknown); the native step needs every layer's buffer."""
+        self.decode_step: DecodeStep | None = None
+        """Set by `native_step` for the next forward only (CausalLM.forward reads it)."""
+
+    @property
+    def length(self) -> int:
+        """Tokens cached (every layer holds as many after a forward)."""
+        return self.filled[0] if self.filled else 0
+
+    def _reserve(self, layer: int, total: int) -> None:
+        size = self.k[layer].shape[1]
+        if total > size:
+            grown = max(total, 2 * size)
+            for buffers in (self.k, self.v):
+                old = buffers[layer]
+                buffers[layer] = old.new_empty(1, grown, *old.shape[2:])
+                buffers[layer][:, :size] = old
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        past_k, past_v = self.keys.get(layer_idx), self.values.get(layer_idx)
-        keys = k if past_k is None else torch.cat([past_k, k])  # [P + T, kv_heads, head_dim]
-        values = v if past_v is None else torch.cat([past_v, v])
-        self.keys[layer_idx], self.values[layer_idx] = keys, values
-        rows, total = q.shape[0], keys.shape[0]
+        rows = q.shape[0]
+        if layer_idx == len(self.k):  # first call for this layer: its buffers
+            for buffers in (self.k, self.v):
+                buffers.append(k.new_empty(1, max(256, rows), *k.shape[1:]))
+            self.filled.append(0)
+        start = self.filled[layer_idx]
+        total = start + rows
+        self._reserve(layer_idx, total)
+        self.k[layer_idx][0, start:total] = k
+        self.v[layer_idx][0, start:total] = v
+        self.filled[layer_idx] = total
+        keys, values = self.k[layer_idx], self.v[layer_idx]
         if (self.kernels is None or rows > MAX_SPECULATIVE_TOKENS + 1 or q.dtype != keys.dtype
                 or q.dtype not in (torch.float32, torch.bfloat16)):
-            return grouped_attention(q, keys, values)
+            return grouped_attention(q, keys[0, :total], values[0, :total])
         out = torch.empty(q.shape, dtype=q.dtype)
-        seq_lens = torch.arange(total - rows + 1, total + 1)  # row t sees the positions up to its own
-        self.kernels.paged_decode_attention(out, q, keys.view(1, *keys.shape), values.view(1, *values.shape),
-                                            torch.zeros(rows, 1, dtype=torch.long), seq_lens,
-                                            q.shape[-1] ** -0.5, 0, _EMPTY_LONG, _EMPTY_LONG)
+        self.kernels.paged_decode_attention(out, q, keys, values, torch.zeros(rows, 1, dtype=torch.long),
+                                            torch.arange(start + 1, total + 1), q.shape[-1] ** -0.5, 0,
+                                            _EMPTY_LONG, _EMPTY_LONG)
         return out
 
+    def native_step(self, rows: int, dtype: torch.dtype) -> bool:
+        """Set `decode_step` for a forward of `rows` new tokens if it can run natively (kernels, every
+        layer's buffer in `dtype`, a few rows); the caller then calls `advance(rows)` after it."""
+        self.decode_step = None
+        if (self.kernels is None or not self.num_layers or len(self.k) != self.num_layers
+                or rows > MAX_SPECULATIVE_TOKENS + 1 or self.k[0].dtype != dtype):
+            return False
+        start = self.length
+        for layer in range(self.num_layers):
+            self._reserve(layer, start + rows)
+        self.decode_step = DecodeStep(self.k, self.v, torch.arange(start, start + rows), [0],
+                                      [torch.zeros(rows, 1, dtype=torch.long)], [torch.arange(start + 1, start + rows + 1)],
+                                      [_EMPTY_LONG], [_EMPTY_LONG], self.k[0].shape[-1] ** -0.5, 0)
+        return True
+
+    def advance(self, rows: int) -> None:
+        """After a native step: its rows are in every layer's buffer."""
+        self.decode_step = None
+        self.filled = [n + rows for n in self.filled]
+
     def truncate(self, length: int) -> None:
-        for layer in self.keys:
-            self.keys[layer] = self.keys[layer][:length]
-            self.values[layer] = self.values[layer][:length]
-        self.length = min(self.length, length)
+        self.filled = [min(n, length) for n in self.filled]
 
 
 class DraftModelProposer(Proposer):
@@ -106,6 +150,14 @@ class DraftModelProposer(Proposer):
         check_compatible(target, draft)
         return cls(draft)
 
+    def _forward(self, cache: DenseKV, tokens: list[int], position: int) -> Tensor:
+        """The draft's hidden states for `tokens` at `position` (= cache.length), their K/V cached."""
+        native = self.model.runs_decode_steps and cache.native_step(len(tokens), self.model.config.dtype)
+        hidden = self.model(torch.tensor(tokens), torch.arange(position, position + len(tokens)), cache)
+        if native:
+            cache.advance(len(tokens))
+        return hidden
+
     def remove(self, request_id: str) -> None:
         self.caches.pop(request_id, None)
 
@@ -115,7 +167,7 @@ class DraftModelProposer(Proposer):
         return [self._propose_one(r) for r in requests]
 
     def _propose_one(self, request: DraftRequest) -> Draft:
-        cache, seen = self.caches.get(request.request_id) or (DenseKV(self.model.kernels), [])
+        cache, seen = self.caches.get(request.request_id) or (DenseKV(self.model.kernels, len(self.model.layers)), [])
         tokens = list(request.token_ids)
         common = cache.length if tokens[: cache.length] == seen[: cache.length] else 0
         common = min(common, len(tokens) - 1)  # the last real token is always fed: its logits draft x_L
@@ -125,13 +177,12 @@ class DraftModelProposer(Proposer):
         position = common
         if len(new) > MAX_SPECULATIVE_TOKENS + 1:  # more than a verify step can add: a prompt, a new history
             start = time.perf_counter()
-            self.model(torch.tensor(new[:-1]), torch.arange(position, position + len(new) - 1), cache)
-            cache.length = position = position + len(new) - 1
+            self._forward(cache, new[:-1], position)
+            position = cache.length
             new = new[-1:]
             self.catch_up_seconds += time.perf_counter() - start
         for _ in range(request.num_drafts):
-            hidden = self.model(torch.tensor(new), torch.arange(position, position + len(new)), cache)
-            cache.length = position + len(new)
+            hidden = self._forward(cache, new, position)
             drafts.append(int(self.model.compute_logits(hidden[-1:]).argmax()))
             position, new = cache.length, drafts[-1:]
         cache.truncate(len(tokens))
