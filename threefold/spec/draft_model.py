@@ -122,7 +122,8 @@ class DenseKV:
         for layer in range(self.num_layers):
             self._reserve(layer, start + rows)
         self.decode_step = DecodeStep(self.k, self.v, torch.arange(start, start + rows), [0],
-                                      [torch.zeros(rows, 1, dtype=torch.long)], [torch.arange(start + 1, start + rows + 1)],
+                                      [torch.zeros(rows, 1, dtype=torch.long)],
+                                      [torch.arange(start + 1, start + rows + 1)],  # row t sees up to itself
                                       [_EMPTY_LONG], [_EMPTY_LONG], self.k[0].shape[-1] ** -0.5, 0)
         return True
 
