@@ -242,34 +242,33 @@ void linear_int8(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w
 
 namespace {
 
-// The dtype combinations linear_small takes, with the shapes and strides it needs.
-bool linear_fits(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+// What both few-row kernels need: x [M, K] @ w [N, K]^T into out [M, N], rows with unit stride, w
+// contiguous, everything on the CPU, and a bias [N] (if any) contiguous in out's dtype.
+bool shapes_fit(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   if (x.dim() != 2 || w.dim() != 2 || out.dim() != 2 || x.size(1) != w.size(1) || out.size(0) != x.size(0) ||
       out.size(1) != w.size(0) || x.stride(1) != 1 || out.stride(1) != 1 || !w.is_contiguous() || x.size(1) == 0)
     return false;
+  if (out.device().type() != at::kCPU || x.device().type() != at::kCPU || w.device().type() != at::kCPU)
+    return false;
+  return !bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == out.scalar_type() &&
+                               bias->numel() == w.size(0) && bias->device().type() == at::kCPU);
+}
+
+// The dtype combinations linear_small takes.
+bool linear_fits(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   const auto xt = x.scalar_type(), wt = w.scalar_type(), ot = out.scalar_type();
   const bool ok = (xt == at::kFloat && ot == at::kFloat && (wt == at::kFloat || wt == at::kBFloat16)) ||
                   (xt == at::kBFloat16 && wt == at::kBFloat16 && ot == at::kBFloat16);
-  if (!ok || out.device().type() != at::kCPU || x.device().type() != at::kCPU || w.device().type() != at::kCPU)
-    return false;
-  return !bias.has_value() ||
-         (bias->is_contiguous() && bias->scalar_type() == ot && bias->numel() == w.size(0) && bias->device().type() == at::kCPU);
+  return ok && shapes_fit(out, x, w, bias);
 }
 
-// linear_small_int8's inputs: linear_fits' shapes, int8 weights, fp32 scales [N], x / out / bias one dtype.
+// linear_small_int8's inputs: int8 weights, fp32 scales [N] on the CPU, x and out of one dtype.
 bool int8_fits(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                const c10::optional<at::Tensor>& bias) {
-  if (x.dim() != 2 || w.dim() != 2 || out.dim() != 2 || x.size(1) != w.size(1) || out.size(0) != x.size(0) ||
-      out.size(1) != w.size(0) || x.stride(1) != 1 || out.stride(1) != 1 || !w.is_contiguous() || x.size(1) == 0)
-    return false;
   const auto xt = x.scalar_type();
-  if (w.scalar_type() != at::kChar || (xt != at::kFloat && xt != at::kBFloat16) || out.scalar_type() != xt ||
-      scale.scalar_type() != at::kFloat || !scale.is_contiguous() || scale.numel() != w.size(0))
-    return false;
-  for (const at::Tensor* t : {&out, &x, &w, &scale})
-    if (t->device().type() != at::kCPU) return false;
-  return !bias.has_value() ||
-         (bias->is_contiguous() && bias->scalar_type() == xt && bias->numel() == w.size(0) && bias->device().type() == at::kCPU);
+  return w.scalar_type() == at::kChar && (xt == at::kFloat || xt == at::kBFloat16) && out.scalar_type() == xt &&
+         scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 1 &&
+         scale.device().type() == at::kCPU && shapes_fit(out, x, w, bias) && scale.numel() == w.size(0);
 }
 
 }  // namespace
