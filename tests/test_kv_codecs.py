@@ -11,7 +11,7 @@ from threefold.core.hashing import seed_hash
 from threefold.errors import ThreefoldError
 from threefold.kv.quant import unpack_int4
 from threefold.kv.registry import CODECS, make_codec
-from threefold.kv.spec import ALIASES, SCHEMAS, parse_kv_spec
+from threefold.kv.spec import ALIASES, SCHEMAS, parse_kv_spec, split_spec_list
 
 CODEC_SPECS = ["int8", "fp8", "fp8_e5m2", "int4", "int4:group=16", "int4:group=64"]
 
@@ -92,6 +92,12 @@ def _rows(num_tokens=37, kvh=3, d=64, seed=0):
     x[1, 1] = 0.5         # a constant row: int4 groups of zero range
     x[2, 2, 5] = 300.0    # an outlier
     return x
+
+
+def test_spec_lists_keep_parameters_and_mix_layers_with_their_spec():
+    text = "auto, gear:rank=1,outliers=0,mix:kivi4@0-2,7;kivi2@3-6,8-29,mix:auto@0;fp8@1-27,kivi2"
+    assert split_spec_list(text) == ["auto", "gear:rank=1,outliers=0", "mix:kivi4@0-2,7;kivi2@3-6,8-29",
+                                     "mix:auto@0;fp8@1-27", "kivi2"]
 
 
 @pytest.mark.parametrize("spec", CODEC_SPECS)

@@ -136,3 +136,18 @@ def _parse_params(text: str, rest: str, schema: dict[str, Param]) -> dict[str, i
                                  f"{key} in {schema[key].choices_text()}.", param="kv_cache_dtype")
         given[key] = number
     return given
+
+
+def split_spec_list(text: str) -> list[str]:
+    """A comma-separated list of specs, where specs hold commas of their own (a benchmark's --codecs):
+    "auto,gear:rank=1,outliers=0,mix:kivi4@0-2,7;kivi2@3-6,8-29" -> ["auto", "gear:rank=1,outliers=0",
+    "mix:kivi4@0-2,7;kivi2@3-6,8-29"]. A part starts a new spec unless it is one more parameter
+    (has "=" and no ":") or one more layer range of a mix (starts with a digit)."""
+    specs: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        continues = part[:1].isdigit() or ("=" in part and ":" not in part)
+        if continues and specs:
+            specs[-1] += "," + part
+        elif part:
+            specs.append(part)
+    return specs
