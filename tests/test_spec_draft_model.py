@@ -145,3 +145,41 @@ def test_prompt_prefill_is_catch_up_not_drafting(smollm2_fp32):
     assert proposer.catch_up_seconds > 0
     assert proposer.propose([DraftRequest("r", prompt + expected[:3], 4)])[0].token_ids == expected[3:7]
     assert proposer.catch_up_seconds == 0  # a verify step's worth of new tokens is part of drafting
+
+
+def test_rank_tokens_orders_by_count_then_id():
+    from threefold.spec.draft_vocab import rank_tokens
+
+    assert rank_tokens([[5, 3, 3], [5, 1, 3]], 7).tolist() == [3, 5, 1, 0, 2, 4, 6]
+
+
+def test_draft_vocabulary_drafts_the_argmax_over_its_ids(smollm2_fp32, tmp_path, monkeypatch):
+    """draft_vocab_size N: the draft's LM head computes only the N ShareGPT-train-most-frequent rows, each
+    draft is the argmax over them (a greedy chain within the vocabulary), and the ranking is cached."""
+    import threefold.spec.draft_vocab as draft_vocab
+
+    monkeypatch.setenv("THREEFOLD_HOME", str(tmp_path))
+    monkeypatch.setattr(draft_vocab, "CORPUS_TOKENS", 20_000)
+    proposer = make_proposer(SpeculativeConfig("draft_model", 4, model="smollm2-135m", draft_vocab_size=2000),
+                             smollm2_fp32)
+    ids = proposer.head.ids
+    assert proposer.head.size == len(ids) == 2000 and len(set(ids.tolist())) == 2000
+    (cached,) = (tmp_path / "spec" / "draft-vocab").glob("*-sharegpt-train-20000.safetensors")
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(cached))["ranked"][:2000], ids)
+    model = smollm2_fp32.model
+    prompt = smollm2_fp32.tokenizer.encode("The three primary colours are")
+    expected, tokens = [], list(prompt)
+    with torch.inference_mode():
+        for _ in range(4):  # the chain, recomputed from scratch each token
+            logits = model.compute_logits(model(torch.tensor(tokens), torch.arange(len(tokens)), causal)[-1:])
+            expected.append(int(ids[logits[0, ids].argmax()]))
+            tokens.append(expected[-1])
+    assert proposer.propose([DraftRequest("r", prompt, 4)])[0].token_ids == expected
+
+
+def causal(layer_idx, q, k, v):
+    from threefold.spec.draft_model import grouped_attention
+
+    return grouped_attention(q, k, v)

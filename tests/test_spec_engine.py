@@ -78,15 +78,24 @@ def write_random_heads(method, loaded, path, draft_vocab_size=0):
                                  draft_vocab_size=draft_vocab_size), heads, ranked)
 
 
-@pytest.mark.parametrize("method", ["draft_model", "draft_model:int8", "medusa", "eagle", "eagle:vocab"])
-def test_every_method_greedy_is_identical(make_llm, smollm2_fp32, reference, method, tmp_path):
-    method, _, vocab = method.partition(":")  # vocab: the heads draft over a draft vocabulary (FR-Spec)
+@pytest.mark.parametrize("method", ["draft_model", "draft_model:int8", "draft_model:vocab", "medusa", "eagle",
+                                    "eagle:vocab"])
+def test_every_method_greedy_is_identical(make_llm, smollm2_fp32, reference, method, tmp_path, monkeypatch):
+    method, _, vocab = method.partition(":")  # vocab: drafts over a draft vocabulary (FR-Spec)
     config = {"method": method, "num_speculative_tokens": 3}
     if method == "draft_model":
         # The target drafting for itself: every draft is accepted. A draft costing what the target costs
         # never pays, so the adaptive controller (its price profiled at startup) would not draft: fixed k.
-        # int8: the target drafting through int8 weights, whose drafts it may reject.
-        config.update(model="smollm2-135m", adaptive=False, **({"quantization": vocab} if vocab else {}))
+        # int8: the target drafting through int8 weights; vocab: over 2000 ids; either may be rejected.
+        config.update(model="smollm2-135m", adaptive=False)
+        if vocab == "int8":
+            config["quantization"] = "int8"
+        elif vocab:
+            import threefold.spec.draft_vocab as draft_vocab
+
+            monkeypatch.setenv("THREEFOLD_HOME", str(tmp_path))
+            monkeypatch.setattr(draft_vocab, "CORPUS_TOKENS", 20_000)
+            config["draft_vocab_size"] = 2000
     else:
         write_random_heads(method, smollm2_fp32, tmp_path, 4096 if vocab else 0)
         config["model"] = str(tmp_path)

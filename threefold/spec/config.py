@@ -67,10 +67,12 @@ class SpeculativeConfig:
     decode steps (half of bf16's bytes, where drafting is bound by reading them); None: the
     target's dtype. Lossless either way: the target verifies every draft."""
     draft_vocab_size: int | None = None
-    """medusa/eagle: draft over only the N tokens the target wrote most often in the heads'
-    training answers (FR-Spec / EAGLE-3's draft vocabulary): the heads' LM head computes N rows
-    instead of the whole vocabulary. None = the heads' own default; 0 = the whole vocabulary.
-    Lossless either way (drafts are verified); a token outside it is just never drafted."""
+    """Draft over only N tokens (FR-Spec / EAGLE-3's draft vocabulary), so the draft's LM head
+    computes N rows instead of the whole vocabulary. medusa/eagle: the N the target wrote most
+    often in the heads' training answers; None = the heads' own default. draft_model: the N most
+    frequent in ShareGPT's train split (spec/draft_vocab.py); None = the whole vocabulary.
+    0 = the whole vocabulary. Lossless either way (drafts are verified); a token outside it is
+    just never drafted."""
 
     def __post_init__(self) -> None:
         _require(self.method in METHODS, f"unknown speculative method {self.method!r}; use one of "
@@ -96,8 +98,8 @@ class SpeculativeConfig:
             _require(self.quantization == "int8", f"quantization must be 'int8' or null, got "
                      f"{self.quantization!r}.", "quantization")
         if self.draft_vocab_size is not None:
-            _require(self.method in ("medusa", "eagle"), f"draft_vocab_size slices the LM head of trained heads; "
-                     f"method {self.method!r} has none.", "draft_vocab_size")
+            _require(self.method != "ngram", "draft_vocab_size slices a draft LM head; method 'ngram' drafts "
+                     "from the context and has none.", "draft_vocab_size")
             _require(_is_int(self.draft_vocab_size) and self.draft_vocab_size >= 0,
                      f"draft_vocab_size must be a non-negative integer (0 = the whole vocabulary) or null, got "
                      f"{self.draft_vocab_size!r}.", "draft_vocab_size")

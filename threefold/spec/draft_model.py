@@ -12,6 +12,7 @@ costs once the cache is current, not by prompt prefills.
 
 from __future__ import annotations
 
+import logging
 import time
 from types import ModuleType
 
@@ -21,7 +22,10 @@ from torch import Tensor
 from threefold.errors import ThreefoldError
 from threefold.model.llama import DecodeStep
 from threefold.spec.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from threefold.spec.draft_vocab import draft_model_vocab
 from threefold.spec.proposer import Draft, DraftRequest, Proposer
+
+logger = logging.getLogger(__name__)
 
 _EMPTY_LONG = torch.empty(0, dtype=torch.long)
 
@@ -137,9 +141,14 @@ class DenseKV:
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, draft) -> None:
+    def __init__(self, draft, vocab: Tensor | None = None) -> None:
+        """vocab: the token ids drafts are chosen from (a draft vocabulary, spec/draft_vocab.py; the
+        LM head computes only their rows); None: the whole vocabulary."""
+        from threefold.spec.heads_proposer import DraftLMHead
+
         self.draft = draft
         self.model = draft.model
+        self.head = DraftLMHead(draft.model, vocab)
         self.caches: dict[str, tuple[DenseKV, list[int]]] = {}
 
     @classmethod
@@ -149,7 +158,11 @@ class DraftModelProposer(Proposer):
         draft = load_model(config.model_path, dtype=target.precision.name, max_model_len=target.max_model_len,
                            quantization=config.quantization)
         check_compatible(target, draft)
-        return cls(draft)
+        vocab = draft_model_vocab(draft, config.draft_vocab_size)
+        if vocab is not None:
+            logger.info("draft model %s drafts over the %d ShareGPT-train-most-frequent of its %d tokens", draft.name,
+                        len(vocab), draft.config.vocab_size)
+        return cls(draft, vocab)
 
     def _forward(self, cache: DenseKV, tokens: list[int], position: int) -> Tensor:
         """The draft's hidden states for `tokens` at `position` (= cache.length), their K/V cached."""
@@ -184,7 +197,7 @@ class DraftModelProposer(Proposer):
             self.catch_up_seconds += time.perf_counter() - start
         for _ in range(request.num_drafts):
             hidden = self._forward(cache, new, position)
-            drafts.append(int(self.model.compute_logits(hidden[-1:]).argmax()))
+            drafts.append(self.head.token_ids([int(self.head(hidden[-1:]).argmax())])[0])
             position, new = cache.length, drafts[-1:]
         cache.truncate(len(tokens))
         self.caches[request.request_id] = (cache, tokens)
