@@ -25,7 +25,8 @@ prompt) rather than one batch's makespan, which speculation can only lengthen.
 A method is NAME[@HEADS][:K][:vN][:int8][:fixed]: `draft:6` drafts up to 6 tokens, `:fixed` turns the
 adaptive controller off (always K), `:int8` streams the draft model's weights as int8 (`quantization`),
 `:v4096` drafts over a 4,096-token draft vocabulary (heads: theirs, without it their default; `draft`: the
-ShareGPT train split's most frequent tokens, without it the whole vocabulary; `:v0` the whole vocabulary), `eagle@smollm2-135m-eagle-v1` takes that heads directory under --heads-dir
+ShareGPT train split's most frequent tokens, without it the whole vocabulary; `:v0` the whole vocabulary),
+`eagle@smollm2-135m-eagle-v1` takes that heads directory under --heads-dir
 (two heads of one method side by side). `draft` is the draft model (--draft-model) with the target's tokenizer.
 --peers adds, at batch 1, transformers on the same pair (the GGUFs converted to HF directories by
 `threefold bench peers convert`), plain `generate` and assisted `generate(assistant_model=draft)`
