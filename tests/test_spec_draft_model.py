@@ -150,7 +150,8 @@ def test_prompt_prefill_is_catch_up_not_drafting(smollm2_fp32):
 def test_rank_tokens_orders_by_count_then_id():
     from threefold.spec.draft_vocab import rank_tokens
 
-    assert rank_tokens([[5, 3, 3], [5, 1, 3]], 7).tolist() == [3, 5, 1, 0, 2, 4, 6]
+    order, seen = rank_tokens(torch.tensor([5, 3, 3, 5, 1, 3]), 7)
+    assert order.tolist() == [3, 5, 1, 0, 2, 4, 6] and seen == 3
 
 
 def test_draft_vocabulary_drafts_the_argmax_over_its_ids(smollm2_fp32, tmp_path, monkeypatch):

@@ -23,6 +23,7 @@ from threefold.errors import ThreefoldError
 from threefold.model.llama import DecodeStep
 from threefold.spec.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from threefold.spec.draft_vocab import draft_model_vocab
+from threefold.spec.heads_proposer import DraftLMHead
 from threefold.spec.proposer import Draft, DraftRequest, Proposer
 
 logger = logging.getLogger(__name__)
@@ -144,8 +145,6 @@ class DraftModelProposer(Proposer):
     def __init__(self, draft, vocab: Tensor | None = None) -> None:
         """vocab: the token ids drafts are chosen from (a draft vocabulary, spec/draft_vocab.py; the
         LM head computes only their rows); None: the whole vocabulary."""
-        from threefold.spec.heads_proposer import DraftLMHead
-
         self.draft = draft
         self.model = draft.model
         self.head = DraftLMHead(draft.model, vocab)

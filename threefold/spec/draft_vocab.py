@@ -28,12 +28,11 @@ first 32k ranks (98.8% in 64k)."""
 _SEQ_LEN = 1 << 20  # conversations are counted whole
 
 
-def rank_tokens(sequences: list[list[int]], vocab_size: int) -> Tensor:
-    """Every id in [0, vocab_size), most frequent in `sequences` first (ties, unseen ones included:
-    lower id first)."""
-    flat = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
-    counts = torch.bincount(flat, minlength=vocab_size)[:vocab_size]
-    return torch.sort(counts, descending=True, stable=True).indices
+def rank_tokens(tokens: Tensor, vocab_size: int) -> tuple[Tensor, int]:
+    """Every id in [0, vocab_size), most frequent in `tokens` (1-D) first (ties, unseen ones included:
+    lower id first), and how many distinct ids `tokens` holds (the ranking's seen prefix)."""
+    counts = torch.bincount(tokens, minlength=vocab_size)
+    return torch.sort(counts, descending=True, stable=True).indices, int((counts > 0).sum())
 
 
 def corpus_ranking(name: str, tokenizer, vocab_size: int, num_tokens: int | None = None) -> Tensor:
@@ -51,7 +50,8 @@ def corpus_ranking(name: str, tokenizer, vocab_size: int, num_tokens: int | None
         if len(ranked) == vocab_size:
             return ranked
     start = time.perf_counter()
-    ranked = rank_tokens(sharegpt_token_sequences(tokenizer, num_tokens, _SEQ_LEN), vocab_size)
+    sequences = sharegpt_token_sequences(tokenizer, num_tokens, _SEQ_LEN)
+    ranked, _ = rank_tokens(torch.tensor([t for s in sequences for t in s], dtype=torch.long), vocab_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({"ranked": ranked.contiguous()}, str(path))
     logger.info("draft vocabulary: ranked %d ids over %d ShareGPT train tokens in %.1f s (%s)", vocab_size,

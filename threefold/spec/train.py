@@ -43,6 +43,7 @@ from torch import Tensor
 
 from threefold.cpu import has_native_bf16
 from threefold.errors import ThreefoldError
+from threefold.spec.draft_vocab import rank_tokens
 from threefold.spec.heads import (
     HEAD_METHODS,
     EagleHead,
@@ -515,9 +516,8 @@ def _answer_tokens(data: list[Sequence]) -> Tensor:
 def rank_draft_vocab(data: list[Sequence], vocab_size: int) -> Tensor:
     """Token ids the target wrote on the loss rows, most often first (ties: lower id first); tokens
     it never wrote are left out. The heads' draft vocabulary is a prefix of this (FR-Spec)."""
-    counts = torch.bincount(_answer_tokens(data), minlength=vocab_size)
-    order = torch.sort(counts, descending=True, stable=True).indices
-    return order[: int((counts > 0).sum())]
+    order, seen = rank_tokens(_answer_tokens(data), vocab_size)
+    return order[:seen]
 
 
 def draft_vocab_coverage(ranked: Tensor, data: list[Sequence], vocab_size: int,
